@@ -1,0 +1,41 @@
+"""Shared test setup.
+
+Imports torch (and megatron-core when installed) once in the parent so forked multi-rank workers
+start fast, installs the CPU compatibility layer when CUDA is absent, and skips `gpu` tests
+without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dist_harness import run_dist as _run_dist  # noqa: E402
+
+if not torch.cuda.is_available():
+    try:
+        from megatron_bapo.models import cpu_compat
+
+        cpu_compat.install()
+    except ImportError:
+        pass
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def run_dist():
+    """`run_dist(fn, world_size, *args, timeout=...)`: fn(rank, world_size, *args) on forked gloo ranks."""
+    return _run_dist

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment in .venv and install megatron_bapo into it.
+#
+# On a machine without CUDA, torch is pinned to the CPU build first so that no dependency can pull a
+# multi-GB CUDA torch. GPU images (see Dockerfile) bring their own torch, TE and apex instead.
+# Idempotent: a second run only re-checks the install (a few seconds).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+VENV=${VENV:-.venv}
+TORCH_CPU_VERSION=${TORCH_CPU_VERSION:-2.13.0}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[install] creating $VENV with $("$PYTHON" --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+stamp="$VENV/.megatron_bapo_installed"
+if [ -f "$stamp" ] && [ "$stamp" -nt setup.py ]; then
+  exit 0
+fi
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "${PIP[@]}" install "torch>=2.4"
+  else
+    echo "[install] torch==$TORCH_CPU_VERSION (CPU build)"
+    "${PIP[@]}" install "torch==$TORCH_CPU_VERSION"
+  fi
+fi
+echo "[install] megatron_bapo and its dependencies"
+"${PIP[@]}" install -e ".[dev]"
+touch "$stamp"
