@@ -39,3 +39,14 @@ def pytest_collection_modifyitems(config, items):
 def run_dist():
     """`run_dist(fn, world_size, *args, timeout=...)`: fn(rank, world_size, *args) on forked gloo ranks."""
     return _run_dist
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """A tiny random Qwen2 HF checkpoint (config, safetensors, char-level tokenizer) on disk.
+
+    Built with the project's own tool (megatron_bapo.tiny), loadable by transformers' Auto classes.
+    """
+    from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_hf"), seed=0)
