@@ -1,0 +1,27 @@
+"""Pure-torch RL algorithm math: no Megatron import, testable on CPU in milliseconds.
+
+- `BapoConfig` / presets: the clip-bound search space and balance definition (design §4).
+- `search_clip_bounds`: BAPO's adaptive bounds in one pass over tokens and one all-reduce.
+- `policy_loss`: the clipped (dual-clip) policy loss with a global token denominator.
+- `grpo_advantages`: group-normalised advantages (GRPO, Dr. GRPO).
+"""
+
+from megatron_bapo.algorithms.advantages import dr_grpo_advantages, grpo_advantages, uniform_group_mask
+from megatron_bapo.algorithms.bound_search import BoundSearchResult, balance_metric, bound_grid, search_clip_bounds
+from megatron_bapo.algorithms.config import PRESETS, BapoConfig
+from megatron_bapo.algorithms.policy_loss import AGG_MODES, finalize_loss_metrics, policy_loss
+
+__all__ = [
+    "AGG_MODES",
+    "PRESETS",
+    "BapoConfig",
+    "BoundSearchResult",
+    "balance_metric",
+    "bound_grid",
+    "dr_grpo_advantages",
+    "finalize_loss_metrics",
+    "grpo_advantages",
+    "policy_loss",
+    "search_clip_bounds",
+    "uniform_group_mask",
+]

@@ -1,0 +1,252 @@
+"""BAPO adaptive clip-bound search in one pass over the tokens and one collective.
+
+The paper's Algorithm 1 (and the official recipe) re-evaluate the positive/negative contribution
+over every token after each bound change: up to ~50 full passes, each with an all-reduce and a host
+sync. Every such evaluation is a function of two vectors over the bound grid only:
+
+    P[k] = positive contribution with c_high = c_high_k      (k = 0..K)
+    N[j] = negative contribution with c_low  = c_low_j       (j = 0..J)
+
+because positive tokens depend only on c_high and negative tokens only on c_low (design §4). So we
+bucketize each token's ratio into the grid once, scatter-add its contribution into a bin, turn the
+bins into P and N with a prefix/suffix sum, all-reduce the concatenated vector once (float64, so
+every rank holds bit-identical sums) and walk the search path on the host. Every rank then takes
+the identical decision without further communication.
+
+Tie convention: a positive token passes gradient iff r <= c_high, a negative one iff
+c_low <= r (<= dual_clip); i.e. a token is clipped iff its ratio lies strictly outside the bounds.
+The loss (`policy_loss`) uses the same convention, so `gradient` sums are exactly the gradient mass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_bapo.algorithms.config import BapoConfig
+
+# Extra entries appended to the all-reduced vector: counts that ride along for free.
+_NUM_EXTRA = 4  # num_nonfinite, num_tokens, num_pos_tokens, num_neg_tokens
+
+
+@dataclass(frozen=True)
+class BoundSearchResult:
+    """The decision of one search, identical on every rank of the reduction group."""
+
+    c_low: float
+    c_high: float
+    rho: float
+    """Balance metric at the chosen bounds."""
+    rho_initial: float
+    """Balance metric at the start of the search (low_start, high_start)."""
+    num_steps: int
+    """Number of bound changes the search made."""
+    pos_contribution: float
+    """P at the chosen c_high (summed over the group)."""
+    neg_contribution: float
+    """N at the chosen c_low (summed over the group)."""
+    num_tokens: int
+    num_pos_tokens: int
+    num_neg_tokens: int
+
+
+def bound_grid(start: float, stop: float, step: float, *, clamp_to_stop: bool) -> torch.Tensor:
+    """Grid `start + i * step` for i = 0..floor((stop - start) / step + 1e-9), float64.
+
+    With `clamp_to_stop` (the official recipe's `min(c + step, max)`), `stop` is appended when the
+    last on-grid value falls short of it.
+    """
+    num = int(math.floor((stop - start) / step + 1e-9))
+    values = [start + i * step for i in range(num + 1)]
+    if clamp_to_stop and stop - values[-1] > 1e-9 * max(1.0, abs(stop)):
+        values.append(stop)
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def balance_metric(pos: float, neg: float, metric: str) -> float:
+    """Positive-contribution balance from the sums P and N (design §4).
+
+    share   = P / (P + N), 1 when P + N == 0 (nothing to balance: the search does not move)
+    printed = P / |P - N|, the paper's denominator read literally; inf when P == N > 0, 1 when both are 0
+    pos_neg = P / N (official recipe), inf when N == 0
+    """
+    if metric == "share":
+        total = pos + neg
+        return 1.0 if total == 0.0 else pos / total
+    if metric == "printed":
+        diff = abs(pos - neg)
+        if diff == 0.0:
+            return 1.0 if pos == 0.0 else math.inf
+        return pos / diff
+    if metric == "pos_neg":
+        return math.inf if neg == 0.0 else pos / neg
+    raise ValueError(f"unknown balance metric {metric!r}; choose share, printed or pos_neg")
+
+
+def contribution_vectors(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: BapoConfig,
+    high_grid: torch.Tensor,
+    low_grid: torch.Tensor,
+    rollout_logprobs: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Local (this rank's) `[P (len high_grid), N (len low_grid), extras]` in float64, one pass.
+
+    Shapes: `ratio`, `advantages`, `mask` (and `rollout_logprobs`) are equal-shaped, any rank.
+    Masked-out tokens are ignored entirely (their values may be anything, including NaN).
+    """
+    device = ratio.device
+    num_k, num_j = high_grid.numel(), low_grid.numel()
+    high_grid = high_grid.to(device)
+    low_grid = low_grid.to(device)
+
+    r = ratio.detach().reshape(-1).to(torch.float64)
+    a = advantages.detach().reshape(-1).to(torch.float64)
+    m = mask.detach().reshape(-1).to(torch.bool)
+    if config.weight == "rollout_prob":
+        lp = rollout_logprobs.detach().reshape(-1).to(torch.float64)
+        w = lp.exp()
+        finite = torch.isfinite(r) & torch.isfinite(a) & torch.isfinite(lp)
+    else:
+        w = None
+        finite = torch.isfinite(r) & torch.isfinite(a)
+    num_nonfinite = (m & ~finite).sum()
+    m = m & finite
+    pos = m & (a > 0)
+    neg = m & (a < 0)
+    if config.contribution == "gradient" and config.dual_clip is not None:
+        neg = neg & (r <= config.dual_clip)
+    # Zero everything outside the counted tokens so NaNs in padding never reach a sum.
+    r = torch.where(m, r, 0.0)
+    mag = torch.where(m, a.abs(), 0.0) if w is None else torch.where(m, a.abs() * w, 0.0)
+
+    # Positive token counts for every k with c_high_k >= r: first such k = #grid values < r.
+    idx_pos = torch.searchsorted(high_grid, r, right=False)  # 0..num_k (num_k: never counted)
+    # Negative token counts for every j with c_low_j <= r: that is j < #grid values <= r.
+    cnt_neg = torch.searchsorted(low_grid, r, right=True)  # 0..num_j (0: never counted)
+
+    # One bincount over a combined index: positive bins [0, num_k], negative bins after them,
+    # one dump bin at the end for tokens that are neither.
+    pos_bins, neg_bins = num_k + 1, num_j + 1
+    dump = pos_bins + neg_bins
+    index = torch.where(pos, idx_pos, torch.where(neg, pos_bins + cnt_neg, dump))
+    mag_r = mag * r
+    bins_r = torch.bincount(index, weights=mag_r, minlength=dump + 1)
+    pos_r, neg_r = bins_r[:pos_bins], bins_r[pos_bins:dump]
+    if config.contribution == "gradient":
+        # P[k] = sum over positive tokens with idx_pos <= k;  N[j] = sum over negatives with cnt_neg > j.
+        p_vec = torch.cumsum(pos_r, 0)[:num_k]
+        n_vec = _suffix_sum(neg_r)[1:]
+    else:
+        # surrogate: P[k] = sum w A min(r, ch_k), N[j] = sum w |A| max(r, cl_j): tokens below the
+        # bound contribute w|A| r, the others w|A| * bound.
+        bins_a = torch.bincount(index, weights=mag, minlength=dump + 1)
+        pos_a, neg_a = bins_a[:pos_bins], bins_a[pos_bins:dump]
+        p_vec = torch.cumsum(pos_r, 0)[:num_k] + high_grid * (pos_a.sum() - torch.cumsum(pos_a, 0)[:num_k])
+        n_vec = _suffix_sum(neg_r)[1:] + low_grid * torch.cumsum(neg_a, 0)[:num_j]
+    extras = torch.stack([num_nonfinite, m.sum(), pos.sum(), (m & (a < 0)).sum()]).to(torch.float64)
+    return torch.cat([p_vec, n_vec, extras])
+
+
+def _suffix_sum(x: torch.Tensor) -> torch.Tensor:
+    return torch.flip(torch.cumsum(torch.flip(x, (0,)), 0), (0,))
+
+
+def search_clip_bounds(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: BapoConfig,
+    *,
+    rollout_logprobs: Optional[torch.Tensor] = None,
+    group: Optional["torch.distributed.ProcessGroup"] = None,
+) -> BoundSearchResult:
+    """Choose `(c_low, c_high)` for one optimizer step, exactly as the configured search loop would.
+
+    Args:
+        ratio: importance ratios `exp(logp - logp_behavior)` with the current parameters, any shape.
+        advantages: per-token advantages, same shape.
+        mask: 1 for tokens in the loss, 0 otherwise, same shape.
+        config: search space, contribution definition, weights, metric, order.
+        rollout_logprobs: behavior log-probs, required when `config.weight == "rollout_prob"`.
+        group: process group holding the rest of the mini-batch (data-parallel x context-parallel);
+            None means this process holds all of it. Exactly one all-reduce is issued over it.
+
+    Returns the decision, bit-identical on every rank of `group`.
+    Raises ValueError (on every rank alike) when any masked-in input is NaN or inf.
+    """
+    if ratio.shape != advantages.shape or ratio.shape != mask.shape:
+        raise ValueError(
+            f"search_clip_bounds: ratio {tuple(ratio.shape)}, advantages {tuple(advantages.shape)} and "
+            f"mask {tuple(mask.shape)} must have the same shape"
+        )
+    if config.weight == "rollout_prob":
+        if rollout_logprobs is None:
+            raise ValueError("search_clip_bounds: config.weight='rollout_prob' needs rollout_logprobs (behavior log-probs)")
+        if rollout_logprobs.shape != ratio.shape:
+            raise ValueError(
+                f"search_clip_bounds: rollout_logprobs {tuple(rollout_logprobs.shape)} must match ratio {tuple(ratio.shape)}"
+            )
+    clamp = config.order == "verl"
+    high_grid = bound_grid(config.high_start, config.high_max, config.high_step, clamp_to_stop=clamp)
+    low_grid = bound_grid(config.low_start, config.low_max, config.low_step, clamp_to_stop=clamp)
+
+    vec = contribution_vectors(ratio, advantages, mask, config, high_grid, low_grid, rollout_logprobs)
+    if group is not None:
+        torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM, group=group)
+    sums = vec.cpu().tolist()  # the only host sync
+    num_k, num_j = high_grid.numel(), low_grid.numel()
+    p_vec, n_vec = sums[:num_k], sums[num_k : num_k + num_j]
+    num_nonfinite, num_tokens, num_pos, num_neg = (int(x) for x in sums[num_k + num_j :])
+    if num_nonfinite:
+        raise ValueError(
+            f"search_clip_bounds: {num_nonfinite} loss tokens have NaN/inf ratio, advantage or rollout log-prob "
+            "(across the reduction group); check the log-probs and rewards feeding this step"
+        )
+
+    k, j, steps = _walk(p_vec, n_vec, config)
+    rho_initial = balance_metric(p_vec[0], n_vec[0], config.metric)
+    return BoundSearchResult(
+        c_low=float(low_grid[j]),
+        c_high=float(high_grid[k]),
+        rho=balance_metric(p_vec[k], n_vec[j], config.metric),
+        rho_initial=rho_initial,
+        num_steps=steps,
+        pos_contribution=p_vec[k],
+        neg_contribution=n_vec[j],
+        num_tokens=num_tokens,
+        num_pos_tokens=num_pos,
+        num_neg_tokens=num_neg,
+    )
+
+
+def _walk(p_vec: list[float], n_vec: list[float], config: BapoConfig) -> tuple[int, int, int]:
+    """Walk the search path over precomputed sums; returns (k, j, num_steps)."""
+    last_k, last_j = len(p_vec) - 1, len(n_vec) - 1
+    k = j = steps = 0
+
+    def unmet() -> bool:
+        return balance_metric(p_vec[k], n_vec[j], config.metric) < config.rho0
+
+    if config.order == "paper":
+        # Algorithm 1: while rho < rho0 and c_low + delta2 <= b-: raise c_high if it can, else c_low.
+        while unmet() and j + 1 <= last_j:
+            if k + 1 <= last_k:
+                k += 1
+            else:
+                j += 1
+            steps += 1
+    else:
+        # Official recipe: raise c_low (clamped to its max) until met, then c_high (clamped).
+        while unmet() and j < last_j:
+            j += 1
+            steps += 1
+        while unmet() and k < last_k:
+            k += 1
+            steps += 1
+    return k, j, steps

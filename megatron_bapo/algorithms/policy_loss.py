@@ -1,0 +1,153 @@
+"""The clipped policy-gradient loss shared by BAPO, GRPO and clip-higher (only the bounds differ).
+
+Per token t (loss-masked tokens excluded), with r = exp(logp - logp_behavior):
+
+    A > 0:  term = r A,            clipped (constant c_high A) iff r > c_high
+    A < 0:  term = r A,            clipped (constant c_low A)  iff r < c_low
+                                   dual-clipped (constant c A)  iff r > c   (when dual_clip is set)
+    loss_t = -term
+
+which is `-min(r A, clip(r, c_low, c_high) A)` with dual clip, written with explicit masks so that
+the gradient convention is exact: a token passes gradient iff its ratio is inside the closed bounds
+(the same convention the bound search counts).
+
+Aggregation and why the denominator is global: with "token-mean" the loss of a micro-batch is
+`sum(loss_t) / num_global_tokens`, where `num_global_tokens` counts loss tokens in the whole
+mini-batch over all micro-batches and data-parallel ranks. Summing these micro-batch losses (what
+gradient accumulation and the DP all-reduce do) then gives exactly the single-process mean over the
+mini-batch, whatever the split. A per-micro-batch mean would over-weight short micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    c_low: float,
+    c_high: float,
+    *,
+    dual_clip: Optional[float] = 3.0,
+    agg: str = "token-mean",
+    num_global_tokens: Optional[float] = None,
+    num_global_seqs: Optional[float] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy loss and its reduction-ready statistics.
+
+    Args:
+        logprobs: current log-probs of the taken tokens, `[B, T]` (any shape for token-mean),
+            requires grad.
+        behavior_logprobs: log-probs under the policy that generated the tokens, same shape.
+        advantages: per-token advantages, same shape.
+        mask: 1 for tokens in the loss, same shape.
+        c_low, c_high: importance-ratio bounds (e.g. 0.6 and 1.2).
+        dual_clip: constant c > 1 for negative advantages; None disables dual clip.
+        agg: "token-mean" (default), "seq-mean-token-mean" or "seq-mean-token-sum"; the seq modes
+            treat the last dimension as the sequence.
+        num_global_tokens: token-mean denominator over all micro-batches and DP ranks; None uses
+            this call's own token count (single-process use).
+        num_global_seqs: seq-mean denominator (sequences with at least one loss token, globally);
+            None uses this call's own count.
+
+    Returns:
+        loss: scalar; summing it over the micro-batches of a mini-batch (and over DP ranks) gives
+            the mini-batch loss.
+        metrics: detached float64 sums and counts (`num_tokens`, `num_pos_tokens`,
+            `num_neg_tokens`, `num_clipped_pos`, `num_clipped_neg`, `num_dual_clipped`,
+            `num_seqs`, `sum_kl_k1`, `sum_kl_k3`, `sum_ratio`, `sum_loss`);
+            sum them across micro-batches / ranks, then call `finalize_loss_metrics`.
+    """
+    if agg not in AGG_MODES:
+        raise ValueError(f"policy_loss: agg must be one of {AGG_MODES}, got {agg!r}")
+    if not (logprobs.shape == behavior_logprobs.shape == advantages.shape == mask.shape):
+        raise ValueError(
+            "policy_loss: logprobs, behavior_logprobs, advantages and mask must have one shape, got "
+            f"{tuple(logprobs.shape)}, {tuple(behavior_logprobs.shape)}, {tuple(advantages.shape)}, {tuple(mask.shape)}"
+        )
+    if not c_low < c_high:
+        raise ValueError(f"policy_loss: c_low ({c_low}) must be < c_high ({c_high})")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"policy_loss: dual_clip must be > 1 or None, got {dual_clip}")
+
+    maskf = mask.to(logprobs.dtype)
+    keep = mask.to(torch.bool)
+    # Padding may hold arbitrary log-probs; keep them out of exp() so no inf*0 NaN reaches the grad.
+    log_ratio = torch.where(keep, logprobs - behavior_logprobs.to(logprobs.dtype), torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(logprobs.dtype)
+
+    pos = keep & (adv > 0)
+    neg = keep & (adv < 0)
+    clipped_pos = pos & (ratio > c_high)
+    clipped_low = neg & (ratio < c_low)
+    dual = neg & (ratio > dual_clip) if dual_clip is not None else torch.zeros_like(neg)
+    passes = keep & ~clipped_pos & ~clipped_low & ~dual
+
+    # Clipped tokens contribute a constant (no gradient); passing tokens contribute r A.
+    bound = torch.where(clipped_pos, c_high, torch.where(clipped_low, c_low, dual_clip if dual_clip is not None else 0.0))
+    term = torch.where(passes, ratio * adv, bound.to(adv.dtype) * adv)
+    token_loss = -term * maskf
+
+    if agg == "token-mean":
+        denom = maskf.sum() if num_global_tokens is None else num_global_tokens
+        loss = token_loss.sum() / _safe(denom)
+    else:
+        seq_tokens = maskf.sum(-1)
+        seq_loss = token_loss.sum(-1)
+        if agg == "seq-mean-token-mean":
+            seq_loss = seq_loss / seq_tokens.clamp(min=1.0)
+        denom = (seq_tokens > 0).sum() if num_global_seqs is None else num_global_seqs
+        loss = seq_loss.sum() / _safe(denom)
+
+    with torch.no_grad():
+        lr64 = log_ratio.detach().to(torch.float64)
+        m64 = maskf.detach().to(torch.float64)
+        metrics = {
+            "num_tokens": m64.sum(),
+            "num_seqs": (m64.sum(-1) > 0).sum().to(torch.float64) if m64.dim() > 0 else m64.sum(),
+            "num_pos_tokens": pos.sum().to(torch.float64),
+            "num_neg_tokens": neg.sum().to(torch.float64),
+            "num_clipped_pos": clipped_pos.sum().to(torch.float64),
+            "num_clipped_neg": clipped_low.sum().to(torch.float64),
+            "num_dual_clipped": dual.sum().to(torch.float64),
+            # KL(behavior || current) estimated on behavior samples: k1 = -log r, k3 = r - 1 - log r.
+            "sum_kl_k1": (-lr64 * m64).sum(),
+            "sum_kl_k3": ((lr64.exp() - 1.0 - lr64) * m64).sum(),
+            "sum_ratio": (lr64.exp() * m64).sum(),
+            "sum_loss": token_loss.detach().to(torch.float64).sum(),
+        }
+    return loss, metrics
+
+
+def _safe(denom) -> torch.Tensor | float:
+    if isinstance(denom, torch.Tensor):
+        return denom.clamp(min=1.0)
+    return max(float(denom), 1.0)
+
+
+def finalize_loss_metrics(sums: dict[str, float], prefix: str = "actor/") -> dict[str, float]:
+    """Turn summed `policy_loss` statistics (over micro-batches and ranks) into logged fractions."""
+    num = max(sums.get("num_tokens", 0.0), 1.0)
+    num_pos = max(sums.get("num_pos_tokens", 0.0), 1.0)
+    num_neg = max(sums.get("num_neg_tokens", 0.0), 1.0)
+    return {
+        f"{prefix}pos_token_frac": sums.get("num_pos_tokens", 0.0) / num,
+        f"{prefix}clipfrac_pos": sums.get("num_clipped_pos", 0.0) / num_pos,
+        f"{prefix}clipfrac_neg": (sums.get("num_clipped_neg", 0.0) + sums.get("num_dual_clipped", 0.0)) / num_neg,
+        f"{prefix}clipfrac_dual": sums.get("num_dual_clipped", 0.0) / num_neg,
+        f"{prefix}clipfrac": (
+            sums.get("num_clipped_pos", 0.0) + sums.get("num_clipped_neg", 0.0) + sums.get("num_dual_clipped", 0.0)
+        )
+        / num,
+        f"{prefix}kl_k1": sums.get("num_tokens", 0.0) and sums.get("sum_kl_k1", 0.0) / num,
+        f"{prefix}kl": sums.get("num_tokens", 0.0) and sums.get("sum_kl_k3", 0.0) / num,
+        f"{prefix}ratio_mean": sums.get("sum_ratio", 0.0) / num if sums.get("num_tokens", 0.0) else 1.0,
+    }

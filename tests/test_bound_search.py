@@ -1,0 +1,263 @@
+"""BAPO bound search vs an independent, literal transcription of the search loops.
+
+The reference below re-evaluates the contribution over every token at every step (one full pass
+per step, numpy, formulas straight from design §4 / the paper's Algorithm 1 / the official
+recipe). The implementation under test does one pass and one collective. They must take the same
+decision on every random batch. Batches whose balance lands within 1e-9 of rho0 somewhere on the
+path are discarded: there the decision depends on float summation order, which neither side
+defines.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from megatron_bapo.algorithms import BapoConfig, balance_metric, search_clip_bounds
+from megatron_bapo.algorithms.bound_search import bound_grid, contribution_vectors
+
+TIE = 1e-9
+
+
+# ----------------------------------------------------------------------------------------------
+# Independent reference: one full pass over the tokens per search step.
+# ----------------------------------------------------------------------------------------------
+def ref_contributions(r, a, m, w, c_low, c_high, cfg):
+    r, a, m, w = (np.asarray(x, dtype=np.float64) for x in (r, a, m, w))
+    on = m > 0
+    if cfg.contribution == "gradient":
+        pos = on & (a > 0) & (r <= c_high)
+        neg = on & (a < 0) & (r >= c_low)
+        if cfg.dual_clip is not None:
+            neg &= r <= cfg.dual_clip
+        P = float(np.sum(w[pos] * a[pos] * r[pos]))
+        N = float(np.sum(w[neg] * np.abs(a[neg]) * r[neg]))
+    else:
+        pos = on & (a > 0)
+        neg = on & (a < 0)
+        P = float(np.sum(w[pos] * a[pos] * np.minimum(r[pos], c_high)))
+        N = float(np.sum(w[neg] * np.abs(a[neg]) * np.maximum(r[neg], c_low)))
+    return P, N
+
+
+def ref_metric(P, N, metric):
+    if metric == "share":
+        return 1.0 if P + N == 0 else P / (P + N)
+    if metric == "printed":
+        return (1.0 if P == 0 else math.inf) if P == N else P / abs(P - N)
+    return math.inf if N == 0 else P / N
+
+
+def ref_search(r, a, m, w, cfg):
+    """Returns (c_low, c_high, steps, metrics visited)."""
+    visited = []
+
+    def rho(c_low, c_high):
+        value = ref_metric(*ref_contributions(r, a, m, w, c_low, c_high, cfg), cfg.metric)
+        visited.append(value)
+        return value
+
+    j = k = steps = 0
+    if cfg.order == "paper":
+        c_low, c_high = cfg.low_start, cfg.high_start
+        # Algorithm 1, with bounds recomputed from integer step counts instead of accumulated.
+        while rho(c_low, c_high) < cfg.rho0 and cfg.low_start + (j + 1) * cfg.low_step <= cfg.low_max + 1e-9:
+            if cfg.high_start + (k + 1) * cfg.high_step <= cfg.high_max + 1e-9:
+                k += 1
+                c_high = cfg.high_start + k * cfg.high_step
+            else:
+                j += 1
+                c_low = cfg.low_start + j * cfg.low_step
+            steps += 1
+        return c_low, c_high, steps, visited
+    # Official recipe: c_low = min(c_low + step, max) while unmet, then the same for c_high.
+    c_low, c_high = cfg.low_start, cfg.high_start
+    met = rho(c_low, c_high) >= cfg.rho0
+    while not met and c_low < cfg.low_max - 1e-9:
+        j += 1
+        c_low = min(cfg.low_start + j * cfg.low_step, cfg.low_max)
+        steps += 1
+        met = rho(c_low, c_high) >= cfg.rho0
+    while not met and c_high < cfg.high_max - 1e-9:
+        k += 1
+        c_high = min(cfg.high_start + k * cfg.high_step, cfg.high_max)
+        steps += 1
+        met = rho(c_low, c_high) >= cfg.rho0
+    return c_low, c_high, steps, visited
+
+
+# ----------------------------------------------------------------------------------------------
+# Random batches
+# ----------------------------------------------------------------------------------------------
+GRID_POINTS = [0.6, 0.62, 0.7, 0.9, 1.2, 1.25, 1.5, 3.0, 3.05]
+
+
+@st.composite
+def batches(draw):
+    n = draw(st.integers(min_value=1, max_value=64))
+    spread = draw(st.sampled_from([0.05, 0.3, 1.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = np.random.default_rng(seed)
+    r = np.exp(g.normal(0.0, spread, n))
+    # Some ratios exactly on grid values, to pin the tie convention.
+    on_grid = g.random(n) < draw(st.sampled_from([0.0, 0.2]))
+    r[on_grid] = g.choice(GRID_POINTS, on_grid.sum())
+    adv_kind = draw(st.sampled_from(["normal", "binary", "pos_only", "neg_only", "zeros"]))
+    if adv_kind == "normal":
+        a = g.normal(0.0, 1.0, n)
+    elif adv_kind == "binary":
+        a = g.choice([-1.0, 1.0], n) * g.uniform(0.5, 1.5)
+    elif adv_kind == "pos_only":
+        a = g.uniform(0.1, 2.0, n)
+    elif adv_kind == "neg_only":
+        a = -g.uniform(0.1, 2.0, n)
+    else:
+        a = np.zeros(n)
+    m = (g.random(n) < draw(st.sampled_from([1.0, 0.7, 0.0]))).astype(np.float64)
+    logp_behavior = np.log(g.uniform(0.01, 1.0, n))
+    return r, a, m, logp_behavior
+
+
+configs = st.builds(
+    BapoConfig,
+    rho0=st.sampled_from([0.2, 0.4, 0.5, 0.7]),
+    contribution=st.sampled_from(["gradient", "surrogate"]),
+    weight=st.sampled_from(["none", "rollout_prob"]),
+    metric=st.sampled_from(["share", "printed", "pos_neg"]),
+    order=st.sampled_from(["paper", "verl"]),
+    dual_clip=st.sampled_from([3.0, None, 1.5]),
+)
+
+
+def _run(r, a, m, lpb, cfg):
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    return search_clip_bounds(t(r), t(a), t(m), cfg, rollout_logprobs=t(lpb))
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(), cfg=configs)
+def test_search_equals_literal_algorithm(batch, cfg):
+    r, a, m, lpb = batch
+    w = np.exp(lpb) if cfg.weight == "rollout_prob" else np.ones_like(r)
+    ref_low, ref_high, ref_steps, visited = ref_search(r, a, m, w, cfg)
+    assume(all(abs(v - cfg.rho0) > TIE * (1 + cfg.rho0) for v in visited if math.isfinite(v)))
+    got = _run(r, a, m, lpb, cfg)
+    assert got.num_steps == ref_steps
+    assert got.c_low == pytest.approx(ref_low, abs=1e-12)
+    assert got.c_high == pytest.approx(ref_high, abs=1e-12)
+    assert got.rho_initial == pytest.approx(visited[0], rel=1e-9, abs=1e-12)
+    assert got.rho == pytest.approx(visited[-1], rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=batches(), weight=st.sampled_from(["none", "rollout_prob"]), dual=st.sampled_from([3.0, None]))
+def test_gradient_balance_is_monotone_along_the_path(batch, weight, dual):
+    """Raising c_high only adds positives, raising c_low only removes negatives (design §4)."""
+    r, a, m, lpb = batch
+    cfg = BapoConfig(weight=weight, dual_clip=dual, rho0=1.0)  # rho0=1 walks the whole path
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    hg = bound_grid(cfg.high_start, cfg.high_max, cfg.high_step, clamp_to_stop=False)
+    lg = bound_grid(cfg.low_start, cfg.low_max, cfg.low_step, clamp_to_stop=False)
+    vec = contribution_vectors(t(r), t(a), t(m), cfg, hg, lg, t(lpb)).tolist()
+    P, N = vec[: hg.numel()], vec[hg.numel() : hg.numel() + lg.numel()]
+    assert all(P[i + 1] >= P[i] for i in range(len(P) - 1))
+    assert all(N[i + 1] <= N[i] for i in range(len(N) - 1))
+    # Along the paper path the share never decreases.
+    k = j = 0
+    prev = balance_metric(P[0], N[0], "share")
+    while j + 1 < len(N):
+        if k + 1 < len(P):
+            k += 1
+        else:
+            j += 1
+        cur = balance_metric(P[k], N[j], "share")
+        assert cur >= prev - 1e-12
+        prev = cur
+
+
+def _t(values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def test_no_positive_tokens_walks_to_the_end_of_the_path():
+    cfg = BapoConfig()
+    res = search_clip_bounds(_t([1.0, 0.7]), _t([-1.0, -2.0]), _t([1, 1]), cfg)
+    assert res.rho_initial == 0.0 and res.rho == 0.0
+    assert res.c_high == pytest.approx(cfg.high_max) and res.c_low == pytest.approx(cfg.low_max)
+    assert res.num_steps == cfg.num_high_steps + cfg.num_low_steps
+
+
+@pytest.mark.parametrize("metric", ["share", "printed", "pos_neg"])
+def test_no_negative_tokens_keeps_the_start_bounds(metric):
+    res = search_clip_bounds(_t([1.0, 2.0]), _t([1.0, 0.5]), _t([1, 1]), BapoConfig(metric=metric))
+    assert (res.c_low, res.c_high, res.num_steps) == (0.6, 1.2, 0)
+
+
+@pytest.mark.parametrize("metric", ["share", "printed", "pos_neg"])
+def test_all_masked_or_zero_advantages_is_balanced(metric):
+    cfg = BapoConfig(metric=metric)
+    for adv, mask in (([1.0, -1.0], [0, 0]), ([0.0, 0.0], [1, 1])):
+        res = search_clip_bounds(_t([1.3, 0.5]), _t(adv), _t(mask), cfg)
+        assert (res.c_low, res.c_high, res.num_steps) == (0.6, 1.2, 0)
+        assert res.pos_contribution == 0.0 and res.neg_contribution == 0.0
+
+
+def test_one_token():
+    # A lone clipped positive token: P = N = 0, nothing to balance (share is 1 by definition).
+    res = search_clip_bounds(_t([2.0]), _t([1.0]), _t([1]), BapoConfig())
+    assert (res.c_low, res.c_high, res.num_steps, res.rho) == (0.6, 1.2, 0, 1.0)
+
+
+def test_clipped_positive_is_released_when_the_balance_needs_it():
+    # The positive token (r=2.0) passes no gradient until c_high reaches 2.0, 16 steps up the grid.
+    res = search_clip_bounds(_t([2.0, 1.0]), _t([1.0, -1.0]), _t([1, 1]), BapoConfig())
+    assert res.c_high == pytest.approx(2.0) and res.c_low == 0.6
+    assert res.rho == pytest.approx(2.0 / 3.0) and res.num_steps == 16
+
+
+def test_empty_batch():
+    res = search_clip_bounds(_t([]), _t([]), _t([]), BapoConfig())
+    assert res.num_tokens == 0 and res.num_steps == 0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", ["ratio", "advantages", "rollout"])
+def test_nonfinite_inputs_raise(bad, where):
+    r, a, lp = [1.0, 1.1], [0.5, -0.5], [-1.0, -2.0]
+    {"ratio": r, "advantages": a, "rollout": lp}[where][1] = bad
+    cfg = BapoConfig(weight="rollout_prob")
+    with pytest.raises(ValueError, match="NaN/inf"):
+        search_clip_bounds(_t(r), _t(a), _t([1, 1]), cfg, rollout_logprobs=_t(lp))
+
+
+def test_nonfinite_values_in_masked_padding_are_ignored():
+    res = search_clip_bounds(_t([1.0, math.nan]), _t([1.0, math.inf]), _t([1, 0]), BapoConfig())
+    assert res.num_tokens == 1
+
+
+def test_shape_and_weight_errors_name_the_argument():
+    with pytest.raises(ValueError, match="same shape"):
+        search_clip_bounds(_t([1.0]), _t([1.0, 2.0]), _t([1, 1]), BapoConfig())
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        search_clip_bounds(_t([1.0]), _t([1.0]), _t([1]), BapoConfig(weight="rollout_prob"))
+
+
+def test_float32_inputs_and_grid_never_accumulates_floats():
+    cfg = BapoConfig()
+    grid = bound_grid(cfg.high_start, cfg.high_max, cfg.high_step, clamp_to_stop=False)
+    assert grid.numel() == 37 and grid[-1].item() == 1.2 + 36 * 0.05
+    lg = bound_grid(0.8, 0.95, 0.05, clamp_to_stop=True)
+    assert lg.tolist() == [0.8, 0.8 + 0.05, 0.8 + 2 * 0.05, 0.8 + 3 * 0.05]
+    clamped = bound_grid(1.2, 2.05, 0.1, clamp_to_stop=True)
+    assert clamped.tolist()[-1] == 2.05
+    g = torch.Generator().manual_seed(0)
+    r = torch.exp(torch.randn(1000, generator=g) * 0.3)
+    a = torch.randn(1000, generator=g)
+    res32 = search_clip_bounds(r.float(), a.float(), torch.ones(1000), cfg)
+    res64 = search_clip_bounds(r.double(), a.double(), torch.ones(1000), cfg)
+    assert (res32.c_low, res32.c_high) == (res64.c_low, res64.c_high)
