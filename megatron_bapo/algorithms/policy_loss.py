@@ -92,8 +92,10 @@ def policy_loss(
     passes = keep & ~clipped_pos & ~clipped_low & ~dual
 
     # Clipped tokens contribute a constant (no gradient); passing tokens contribute r A.
-    bound = torch.where(clipped_pos, c_high, torch.where(clipped_low, c_low, dual_clip if dual_clip is not None else 0.0))
-    term = torch.where(passes, ratio * adv, bound.to(adv.dtype) * adv)
+    bound = torch.zeros_like(adv).masked_fill(clipped_pos, c_high).masked_fill(clipped_low, c_low)
+    if dual_clip is not None:
+        bound = bound.masked_fill(dual, dual_clip)
+    term = torch.where(passes, ratio * adv, bound * adv)
     token_loss = -term * maskf
 
     if agg == "token-mean":
