@@ -1,0 +1,1 @@
+"""HF config -> megatron-core GPTModel: registry, layer specs, parallel state, CPU compatibility."""

@@ -1,0 +1,166 @@
+"""Make megatron-core run on a CPU-only torch (gloo), and nothing else.
+
+megatron-core assumes CUDA in a handful of places. This module is the only place in the project
+that patches anything, it is active only when `torch.cuda.is_available()` is False, and each shim
+below was verified necessary by a probe (shared/notes/megatron-core-on-cpu.md):
+
+| shim                                                         | needed by                          |
+|--------------------------------------------------------------|------------------------------------|
+| `torch.cuda.current_device()` -> `torch.device("cpu")`       | RoPE, TP layers, p2p, DDP buffers  |
+| `torch.cuda.synchronize()` -> no-op                          | PP p2p, checkpointing              |
+| a global TorchFunctionMode: `device="cuda"`, `.cuda()`,      | PP schedules, optimizer, grad      |
+|   `.to("cuda")`, `pin_memory=True` -> CPU; `Tensor.type()`   |   clipping, fully-parallel load    |
+|   reports `torch.cuda.*` (megatron's optimizers check it)    |                                    |
+| a CPU RNG tracker (`add`/`fork` swap the CPU generator)      | model_parallel_cuda_manual_seed    |
+
+The fifth ingredient, core attention via `scaled_dot_product_attention`, lives in the layer spec
+(`megatron_bapo.models.layer_spec`), not here, because it is a module choice, not a patch.
+
+Any other CUDA call still raises torch's "not compiled with CUDA" error, so a code path that starts
+to need a new shim fails loudly in the tests instead of silently running somewhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import Counter
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_INSTALLED = False
+_MODE: "_CpuDeviceMode | None" = None
+_HITS: Counter = Counter()
+"""How often each shim fired (for tests and debugging; never used for control flow)."""
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # an integer device index means a CUDA ordinal
+    return False
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Redirects CUDA placement requests to the CPU and reports CPU tensors as `torch.cuda.*`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = torch.device("cpu")
+            _HITS["device_kwarg"] += 1
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+            _HITS["pin_memory"] += 1
+        if func is torch.Tensor.cuda:
+            _HITS["tensor.cuda"] += 1
+            return args[0]
+        if func is torch.Tensor.pin_memory:
+            _HITS["tensor.pin_memory"] += 1
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            _HITS["tensor.to"] += 1
+            args = (args[0], torch.device("cpu"), *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and "dtype" not in kwargs:
+            name = func(*args, **kwargs)
+            if name.startswith("torch.") and not name.startswith("torch.cuda."):
+                _HITS["tensor.type"] += 1
+                return "torch.cuda." + name[len("torch.") :]
+            return name
+        return func(*args, **kwargs)
+
+
+def _current_device() -> torch.device:
+    _HITS["current_device"] += 1
+    return torch.device("cpu")
+
+
+def _synchronize(device: Any = None) -> None:
+    _HITS["synchronize"] += 1
+
+
+def _make_cpu_tracker_class():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """`CudaRNGStatesTracker` whose named states are CPU generator states.
+
+        `fork(name)` swaps the CPU generator to the named state and back, so dropout inside TP regions
+        draws from per-TP-rank streams exactly as it would from the CUDA generator on GPUs.
+        """
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+def install() -> bool:
+    """Install the CPU shims once per process; a no-op when CUDA is available or already installed.
+
+    Returns True when the shims are active after the call. Safe to call from every entry point
+    (tests, trainer, tools). Forked children inherit the installed state.
+    """
+    global _INSTALLED, _MODE
+    if torch.cuda.is_available():
+        return False
+    with _LOCK:
+        if _INSTALLED:
+            return True
+        torch.cuda.current_device = _current_device
+        torch.cuda.synchronize = _synchronize
+        try:
+            from megatron.core.tensor_parallel import random as mrandom
+        except ImportError:  # megatron-core absent: the device shims alone are still useful
+            mrandom = None
+        if mrandom is not None:
+            tracker_cls = _make_cpu_tracker_class()
+            # Fresh trackers (initialize_rng_tracker, force_reset) are built from this module global.
+            mrandom.CudaRNGStatesTracker = tracker_cls
+            mrandom._CUDA_RNG_STATE_TRACKER = tracker_cls()
+            mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+        _MODE = _CpuDeviceMode()
+        _MODE.__enter__()  # stays entered for the life of the process (this thread)
+        _INSTALLED = True
+        logger.info("megatron_bapo.models.cpu_compat: CPU shims installed (CUDA not available)")
+        return True
+
+
+def is_installed() -> bool:
+    """True when `install()` has activated the shims in this process."""
+    return _INSTALLED
+
+
+def shim_hits() -> dict[str, int]:
+    """Counts of shim activations so far (diagnostics)."""
+    return dict(_HITS)

@@ -1,0 +1,182 @@
+"""Parallel layout (TP, PP, CP; DP derived) and the process groups the actor passes around.
+
+megatron-core keeps its groups in module globals (`parallel_state`); we initialise them once from a
+`ParallelConfig` and hand the groups that a piece of code needs to it explicitly (`ParallelGroups`),
+so no BAPO code reaches for the world group by accident (style rule 3).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelConfig:
+    """How the actor's ranks are laid out. DP is derived: world_size / (tp * pp * cp)."""
+
+    tp: int = 1
+    """Tensor-parallel size; must divide the number of attention heads and KV heads."""
+    pp: int = 1
+    """Pipeline-parallel size; must divide the number of layers."""
+    cp: int = 1
+    """Context-parallel size (needs the Transformer Engine spec, i.e. GPUs)."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); None = plain 1F1B."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (only meaningful with tp > 1)."""
+    backend: str = "auto"
+    """torch.distributed backend: "auto" (nccl with CUDA, gloo without), "gloo" or "nccl"."""
+    timeout_minutes: int = 30
+    """Collective timeout for the process groups."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
+            raise ValueError(f"ParallelConfig.vpp must be None or >= 2 with pp >= 2, got vpp={self.vpp}, pp={self.pp}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"ParallelConfig.backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("ParallelConfig.sequence_parallel needs tp > 1")
+        if self.timeout_minutes <= 0:
+            raise ValueError(f"ParallelConfig.timeout_minutes must be > 0, got {self.timeout_minutes}")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+    def dp_size(self, world_size: int) -> int:
+        """Data-parallel size for `world_size` ranks; raises naming the fields when it does not divide."""
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"ParallelConfig: world size {world_size} is not divisible by tp*pp*cp = "
+                f"{self.tp}*{self.pp}*{self.cp} = {self.model_parallel_size}"
+            )
+        return world_size // self.model_parallel_size
+
+    def validate_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int) -> None:
+        """Check this layout against a model's shape; errors name the field to change."""
+        if num_attention_heads % self.tp:
+            raise ValueError(
+                f"ParallelConfig.tp={self.tp} must divide the number of attention heads ({num_attention_heads})"
+            )
+        if num_query_groups % self.tp:
+            raise ValueError(
+                f"ParallelConfig.tp={self.tp} must divide the number of KV heads (num_key_value_heads="
+                f"{num_query_groups})"
+            )
+        stages = self.pp * (self.vpp or 1)
+        if num_layers % stages:
+            raise ValueError(
+                f"ParallelConfig.pp={self.pp} (x vpp={self.vpp or 1}) must divide the number of layers ({num_layers})"
+            )
+        if self.cp > 1 and not torch.cuda.is_available():
+            raise ValueError("ParallelConfig.cp > 1 needs CUDA and Transformer Engine (TEDotProductAttention)")
+
+
+@dataclass
+class ParallelGroups:
+    """The process groups and ranks of this process, passed explicitly to code that communicates."""
+
+    config: ParallelConfig
+    world_size: int
+    rank: int
+    tp_group: "dist.ProcessGroup"
+    pp_group: "dist.ProcessGroup"
+    dp_group: "dist.ProcessGroup"
+    """Data-parallel group without CP (gradient reduction of non-CP params is over dp x cp in megatron)."""
+    dp_cp_group: "dist.ProcessGroup"
+    """Data x context parallel group: holds the rest of a mini-batch's tokens (bound search, token counts)."""
+    mp_group: "dist.ProcessGroup"
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+    cp_rank: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.config.pp - 1
+
+
+def initialize_model_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> ParallelGroups:
+    """Initialise torch.distributed (if needed) and megatron's groups for `cfg`; seed the RNG tracker.
+
+    Uses the env:// rendezvous (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun/srun set
+    them) when torch.distributed is not initialised yet. Idempotent for the same layout.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from megatron_bapo.models import cpu_compat
+
+    if not torch.cuda.is_available():
+        cpu_compat.install()
+    if not dist.is_initialized():
+        backend = cfg.resolved_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(minutes=cfg.timeout_minutes))
+    world_size = dist.get_world_size()
+    cfg.dp_size(world_size)  # validates divisibility
+    if ps.model_parallel_is_initialized():
+        if (
+            ps.get_tensor_model_parallel_world_size() != cfg.tp
+            or ps.get_pipeline_model_parallel_world_size() != cfg.pp
+            or ps.get_context_parallel_world_size() != cfg.cp
+        ):
+            raise RuntimeError(
+                "initialize_model_parallel: megatron parallel state already initialised with a different layout; "
+                "call megatron.core.parallel_state.destroy_model_parallel() first"
+            )
+    else:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tp,
+            pipeline_model_parallel_size=cfg.pp,
+            virtual_pipeline_model_parallel_size=cfg.vpp,
+            context_parallel_size=cfg.cp,
+            distributed_timeout_minutes=cfg.timeout_minutes,
+            create_gloo_process_groups=True,
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    groups = ParallelGroups(
+        config=cfg,
+        world_size=world_size,
+        rank=dist.get_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        mp_group=ps.get_model_parallel_group(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+    )
+    logger.info(
+        "parallel layout: world=%d tp=%d pp=%d cp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d)",
+        world_size, cfg.tp, cfg.pp, cfg.cp, groups.dp_size, groups.rank, groups.tp_rank, groups.pp_rank, groups.dp_rank,
+    )
+    return groups

@@ -1,0 +1,162 @@
+"""Explicit registry: HF `architectures` name -> megatron-core model arguments.
+
+One entry per model family; each maps a Hugging Face config (a transformers `PretrainedConfig` or a
+plain dict, e.g. a parsed config.json) to the `TransformerConfig` fields and `GPTModel` arguments
+that build the same network. Unknown architectures fail with the list of supported ones.
+
+Vocabulary padding rule (shared with the weight converter): the embedding and output layer have
+`padded_vocab_size = ceil(vocab_size / vocab_divisible_by) * vocab_divisible_by` rows, independent
+of TP so that checkpoints reshard between TP sizes; the TP size must divide it. Rows beyond the HF
+`vocab_size` are zero in converted weights and are masked out (-inf) when computing log-probs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelArgs:
+    """Everything needed to build a `GPTModel` for one HF config (parallel sizes come later)."""
+
+    architecture: str
+    config_kwargs: dict[str, Any]
+    """Keyword arguments of megatron-core `TransformerConfig` (no parallel sizes, no dtype)."""
+    gpt_kwargs: dict[str, Any]
+    """Keyword arguments of megatron-core `GPTModel` (vocab, positions, rope, tying)."""
+    vocab_size: int
+    """The HF vocabulary size (real tokens)."""
+    padded_vocab_size: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+def _architecture(cfg: Any) -> str:
+    archs = _get(cfg, "architectures") or []
+    if len(archs) != 1:
+        raise ValueError(
+            f"HF config 'architectures' must name exactly one architecture, got {archs!r}; "
+            f"supported: {supported_architectures()}"
+        )
+    return archs[0]
+
+
+def padded_vocab(vocab_size: int, vocab_divisible_by: int) -> int:
+    if vocab_divisible_by < 1:
+        raise ValueError(f"vocab_divisible_by must be >= 1, got {vocab_divisible_by}")
+    return int(math.ceil(vocab_size / vocab_divisible_by) * vocab_divisible_by)
+
+
+def _common(cfg: Any, arch: str, vocab_divisible_by: int) -> ModelArgs:
+    """Fields shared by Llama-style decoders (RMSNorm, SwiGLU, RoPE, GQA)."""
+    hidden = int(_get(cfg, "hidden_size"))
+    heads = int(_get(cfg, "num_attention_heads"))
+    kv_heads = int(_get(cfg, "num_key_value_heads") or heads)
+    head_dim = int(_get(cfg, "head_dim") or hidden // heads)
+    act = _get(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{arch}: hidden_act={act!r} is not supported (only 'silu', i.e. SwiGLU)")
+    if heads % kv_heads:
+        raise ValueError(f"{arch}: num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads}")
+    vocab = int(_get(cfg, "vocab_size"))
+    padded = padded_vocab(vocab, vocab_divisible_by)
+    config_kwargs = dict(
+        num_layers=int(_get(cfg, "num_hidden_layers")),
+        hidden_size=hidden,
+        ffn_hidden_size=int(_get(cfg, "intermediate_size")),
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(_get(cfg, "rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=float(_get(cfg, "attention_dropout", 0.0) or 0.0),
+        init_method_std=float(_get(cfg, "initializer_range", 0.02)),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+    gpt_kwargs = dict(
+        vocab_size=padded,
+        max_sequence_length=int(_get(cfg, "max_position_embeddings", 4096)),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=float(_get(cfg, "rope_theta", 10000.0)),
+        share_embeddings_and_output_weights=bool(_get(cfg, "tie_word_embeddings", False)),
+    )
+    return ModelArgs(arch, config_kwargs, gpt_kwargs, vocab, padded)
+
+
+def _qwen2(cfg: Any, vocab_divisible_by: int) -> ModelArgs:
+    """Qwen2 / Qwen2.5: bias on q/k/v only; optional tied embeddings; no sliding window in training."""
+    if _get(cfg, "use_sliding_window", False):
+        raise ValueError("Qwen2ForCausalLM: use_sliding_window=True is not supported (set it to false)")
+    args = _common(cfg, "Qwen2ForCausalLM", vocab_divisible_by)
+    args.config_kwargs["add_qkv_bias"] = True
+    _reject_rope_scaling(cfg, "Qwen2ForCausalLM")
+    return args
+
+
+def _llama(cfg: Any, vocab_divisible_by: int) -> ModelArgs:
+    """Llama 2/3/3.x: no biases; Llama 3.1+ rope scaling ("llama3" type)."""
+    if _get(cfg, "attention_bias", False) or _get(cfg, "mlp_bias", False):
+        raise ValueError("LlamaForCausalLM: attention_bias/mlp_bias=True are not supported")
+    args = _common(cfg, "LlamaForCausalLM", vocab_divisible_by)
+    scaling = _get(cfg, "rope_scaling")
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "default":
+            return args
+        if kind != "llama3":
+            raise ValueError(f"LlamaForCausalLM: rope_scaling type {kind!r} is not supported (only 'llama3')")
+        # megatron-core's llama3 scaling fixes these three; anything else would silently differ.
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, want in fixed.items():
+            if key in scaling and float(scaling[key]) != want:
+                raise ValueError(f"LlamaForCausalLM: rope_scaling.{key}={scaling[key]} is not supported (megatron-core uses {want})")
+        args.gpt_kwargs["rope_scaling"] = True
+        args.gpt_kwargs["rope_scaling_factor"] = float(scaling.get("factor", 8.0))
+    return args
+
+
+def _reject_rope_scaling(cfg: Any, arch: str) -> None:
+    scaling = _get(cfg, "rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ValueError(f"{arch}: rope_scaling={scaling!r} is not supported")
+
+
+MODEL_REGISTRY: dict[str, Callable[[Any, int], ModelArgs]] = {
+    "Qwen2ForCausalLM": _qwen2,
+    "LlamaForCausalLM": _llama,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def model_args_from_hf(hf_config: Any, *, vocab_divisible_by: int = 128) -> ModelArgs:
+    """Map an HF config (PretrainedConfig or dict) to megatron-core model arguments.
+
+    Raises ValueError naming the architecture/field for anything the mapping does not reproduce.
+    """
+    arch = _architecture(hf_config)
+    if arch not in MODEL_REGISTRY:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {supported_architectures()}")
+    return MODEL_REGISTRY[arch](hf_config, vocab_divisible_by)
