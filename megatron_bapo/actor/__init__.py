@@ -1,0 +1,1 @@
+"""Megatron actor: vocab-parallel log-probs/entropy, the BAPO train step, checkpoints."""

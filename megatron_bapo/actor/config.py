@@ -1,0 +1,112 @@
+"""Actor configuration: one nested dataclass per concern, validated at construction (fields named)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_bapo.algorithms import BapoConfig
+from megatron_bapo.models.parallel import ParallelConfig
+
+SEARCH_SCOPES = ("minibatch", "microbatch")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and LR schedule (megatron `get_megatron_optimizer` + `OptimizerParamScheduler`)."""
+
+    name: str = "adam"
+    """"adam" (AdamW, decoupled weight decay) or "sgd"."""
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    """Floor of the decay schedule."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to `lr`."""
+    decay_style: str = "constant"
+    """"constant", "cosine" or "linear" (decay from `lr` to `min_lr` over `decay_steps`)."""
+    decay_steps: Optional[int] = None
+    """Optimizer steps of the schedule including warmup; required for cosine/linear."""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+    clip_grad: float = 1.0
+    """Global grad-norm clip (0 disables)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adam", "sgd"):
+            raise ValueError(f"OptimConfig.name must be 'adam' or 'sgd', got {self.name!r}")
+        if not self.lr > 0:
+            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"OptimConfig.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"OptimConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.decay_style not in ("constant", "cosine", "linear"):
+            raise ValueError(f"OptimConfig.decay_style must be constant/cosine/linear, got {self.decay_style!r}")
+        if self.decay_style != "constant" and (self.decay_steps is None or self.decay_steps <= self.warmup_steps):
+            raise ValueError(
+                f"OptimConfig.decay_steps must be set and > warmup_steps ({self.warmup_steps}) for "
+                f"decay_style={self.decay_style!r}, got {self.decay_steps}"
+            )
+        if self.weight_decay < 0:
+            raise ValueError(f"OptimConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.clip_grad < 0:
+            raise ValueError(f"OptimConfig.clip_grad must be >= 0, got {self.clip_grad}")
+
+
+@dataclass
+class ActorConfig:
+    """Everything the Megatron actor needs; the trainer builds it from the run's YAML."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    bapo: BapoConfig = field(default_factory=BapoConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    max_tokens_per_microbatch: int = 8192
+    """Token budget per micro-batch (sequences x padded length); sequences longer than it go alone."""
+    n_minibatches: int = 1
+    """Optimizer steps per pass over the batch (the batch size must be divisible by it)."""
+    ppo_epochs: int = 1
+    """Passes over the batch per train_step."""
+    search_scope: str = "minibatch"
+    """"minibatch": bounds from a forward-only pass over the whole mini-batch (exact);
+    "microbatch": bounds decided per micro-batch inside the loss (official recipe; no extra pass)."""
+    loss_agg: str = "token-mean"
+    use_distributed_optimizer: bool = True
+    """Megatron distributed optimizer. Without CUDA it is replaced by the plain FP32 optimizer
+    (a warning says so): its checkpoint state does not restore exactly without Apex/TE."""
+    seed: int = 1234
+    dtype: str = "float32"
+    """Parameter dtype: "float32" or "bfloat16" (bf16 needs CUDA)."""
+    logprob_chunk_size: int = 4096
+    """Tokens per chunk in the vocab-parallel log-prob/entropy computation."""
+    vocab_divisible_by: int = 128
+    """Vocabulary padding multiple (TP-independent; see models.registry)."""
+    max_skipped_steps: int = 10
+    """Non-finite loss/grad steps tolerated (each is skipped and counted) before raising."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.optim, dict):
+            self.optim = OptimConfig(**self.optim)
+        if isinstance(self.bapo, dict):
+            self.bapo = BapoConfig(**self.bapo)
+        if isinstance(self.parallel, dict):
+            self.parallel = ParallelConfig(**self.parallel)
+        if self.max_tokens_per_microbatch < 1:
+            raise ValueError(f"ActorConfig.max_tokens_per_microbatch must be >= 1, got {self.max_tokens_per_microbatch}")
+        if self.n_minibatches < 1:
+            raise ValueError(f"ActorConfig.n_minibatches must be >= 1, got {self.n_minibatches}")
+        if self.ppo_epochs < 1:
+            raise ValueError(f"ActorConfig.ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        if self.search_scope not in SEARCH_SCOPES:
+            raise ValueError(f"ActorConfig.search_scope must be one of {SEARCH_SCOPES}, got {self.search_scope!r}")
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"ActorConfig.loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"ActorConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"ActorConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"ActorConfig.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")

@@ -1,0 +1,164 @@
+"""Log-probs and entropy of target tokens from vocab-parallel logits, chunked along the tokens.
+
+With TP each rank holds logits `[..., V/TP]` for its slice of the vocabulary. A full log-softmax in
+fp32 over 64k tokens x 152k vocab would need ~39 GB, so one autograd function walks the tokens in
+chunks of `chunk_size`: per chunk it upcasts to fp32, computes the max and the sum of exponentials
+(one all-reduce each over the TP group), picks the target logit on the rank that owns it (one
+all-reduce), and, for the entropy, the expected logit (one all-reduce). Only per-token scalars are
+kept; the backward recomputes each chunk's softmax from the saved log-sum-exp, so the peak extra
+memory is `chunk_size x V/TP` floats on top of the logits and their gradient.
+
+Gradients (per token, local vocab column j, p = softmax, l = logits, lse = log-sum-exp):
+    d logp / d l_j = 1[j == target] - p_j
+    d H    / d l_j = -p_j (l_j - lse + H)
+Both need only global scalars (lse, H) that the forward already reduced: the backward has no
+communication.
+
+Vocabulary padding: columns with global id >= `vocab_size` (the real HF vocabulary) are masked to
+-inf, so padded rows of the output layer never take probability mass.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK_SIZE = 4096
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+
+
+def _masked_fp32(chunk: torch.Tensor, vocab_start: int, vocab_size: Optional[int]) -> torch.Tensor:
+    x = chunk.float()
+    if vocab_size is not None and vocab_start + x.shape[-1] > vocab_size:
+        x = x.clone() if x.data_ptr() == chunk.data_ptr() else x
+        x[:, max(vocab_size - vocab_start, 0):] = float("-inf")
+    return x
+
+
+class _VocabParallelLogProbEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_size, chunk_size, with_entropy):
+        n, v_local = logits.shape
+        rank = dist.get_rank(group) if group is not None and dist.get_world_size(group) > 1 else 0
+        vocab_start = rank * v_local
+        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse_all = torch.empty(n, dtype=torch.float32, device=logits.device)
+        ent = torch.empty(n, dtype=torch.float32, device=logits.device) if with_entropy else None
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            x = _masked_fp32(logits[s:e], vocab_start, vocab_size)
+            m = x.max(dim=-1).values
+            _all_reduce(m, dist.ReduceOp.MAX, group)
+            ex = torch.exp(x - m.unsqueeze(-1))
+            sum_exp = ex.sum(-1)
+            local_t = targets[s:e] - vocab_start
+            owned = (local_t >= 0) & (local_t < v_local)
+            tgt = torch.gather(x, 1, local_t.clamp(0, v_local - 1).unsqueeze(1)).squeeze(1)
+            tgt = torch.where(owned, tgt, torch.zeros_like(tgt))
+            if with_entropy:
+                # sum_j exp(l_j - m) * l_j, with masked columns contributing 0 (not 0 * -inf).
+                x_fin = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+                wsum = (ex * x_fin).sum(-1)
+                packed = torch.stack([sum_exp, tgt, wsum])
+            else:
+                packed = torch.stack([sum_exp, tgt])
+            _all_reduce(packed, dist.ReduceOp.SUM, group)
+            lse = m + torch.log(packed[0])
+            lse_all[s:e] = lse
+            logp[s:e] = packed[1] - lse
+            if with_entropy:
+                ent[s:e] = lse - packed[2] / packed[0]
+            del x, ex
+        ctx.save_for_backward(logits, targets, lse_all, ent if with_entropy else lse_all)
+        ctx.meta = (vocab_start, vocab_size, chunk_size, with_entropy)
+        if with_entropy:
+            return logp, ent
+        return logp, torch.zeros(0, dtype=torch.float32, device=logits.device)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        logits, targets, lse_all, ent = ctx.saved_tensors
+        vocab_start, vocab_size, chunk_size, with_entropy = ctx.meta
+        n, v_local = logits.shape
+        grad = torch.empty_like(logits)
+        use_ent = with_entropy and grad_ent is not None and grad_ent.numel() == n
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            x = _masked_fp32(logits[s:e], vocab_start, vocab_size)
+            p = torch.exp(x - lse_all[s:e].unsqueeze(-1))  # 0 on masked columns
+            g = torch.zeros_like(x) if grad_logp is None else -p * grad_logp[s:e].unsqueeze(-1)
+            if grad_logp is not None:
+                local_t = targets[s:e] - vocab_start
+                owned = (local_t >= 0) & (local_t < v_local)
+                rows = torch.nonzero(owned).squeeze(1)
+                g[rows, local_t[rows]] += grad_logp[s:e][rows]
+            if use_ent:
+                x_fin = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+                shift = (ent[s:e] - lse_all[s:e]).unsqueeze(-1)
+                g -= grad_ent[s:e].unsqueeze(-1) * p * (x_fin + shift)
+            grad[s:e] = g.to(grad.dtype)
+            del x, p, g
+        return grad, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: Optional["dist.ProcessGroup"] = None,
+    vocab_size: Optional[int] = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-prob of `targets` and the full-distribution entropy, from this rank's vocab slice.
+
+    Args:
+        logits: `[..., V/TP]` this TP rank's contiguous vocabulary slice (rank r holds global ids
+            `r*V/TP .. (r+1)*V/TP - 1`), any float dtype; differentiable.
+        targets: `[...]` global token ids (long), same leading shape.
+        tp_group: tensor-parallel group (None or size 1: the logits hold the whole vocabulary).
+        vocab_size: real vocabulary size; columns at or beyond it are masked (padding).
+        chunk_size: tokens per chunk; peak extra memory is `chunk_size x V/TP` fp32 values.
+        with_entropy: also return the entropy (costs one more reduction per chunk).
+
+    Returns `(logprobs, entropy)`, fp32, shape `[...]`; entropy is None without `with_entropy`.
+    Identical on every rank of `tp_group`.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"vocab_parallel_logprobs: chunk_size must be >= 1, got {chunk_size}")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"vocab_parallel_logprobs: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree"
+        )
+    lead = targets.shape
+    flat = logits.reshape(-1, logits.shape[-1])
+    lp, ent = _VocabParallelLogProbEntropy.apply(
+        flat, targets.reshape(-1).long(), tp_group, vocab_size, chunk_size, with_entropy
+    )
+    return lp.reshape(lead), (ent.reshape(lead) if with_entropy else None)
+
+
+def token_aligned_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    **kwargs,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs aligned to the token: out[b, t] = log p(input_ids[b, t] | input_ids[b, :t]).
+
+    `logits` `[B, T, V/TP]` are the model outputs at every position (position t predicts t+1).
+    Position 0 has no prediction and is 0 in both outputs; the entropy at [b, t] is that of the
+    distribution that produced token t. Keyword arguments go to `vocab_parallel_logprobs`.
+    """
+    targets = torch.roll(input_ids, shifts=-1, dims=-1)  # last column: a dummy target, dropped below
+    lp, ent = vocab_parallel_logprobs(logits, targets, **kwargs)
+    pad = torch.zeros_like(lp[..., :1])
+    lp = torch.cat([pad, lp[..., :-1]], dim=-1)
+    if ent is not None:
+        ent = torch.cat([pad, ent[..., :-1]], dim=-1)
+    return lp, ent

@@ -1,0 +1,93 @@
+"""Per-step actor metrics: which statistics are summed over ranks, and how they become fractions.
+
+Loss statistics are sums/counts (from `policy_loss`) that are summed over micro-batches on a rank,
+all-reduced over the DP x CP group on the last pipeline stage and broadcast to the other stages, so
+every rank reports the same numbers. Bound-search decisions are already identical on every rank of
+the reduction group and are only broadcast. Staleness is computed from the global batch, which
+every rank holds, so it needs no communication.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+
+from megatron_bapo.algorithms.policy_loss import finalize_loss_metrics
+
+SUM_KEYS = (
+    "num_tokens", "num_seqs", "num_pos_tokens", "num_neg_tokens", "num_clipped_pos", "num_clipped_neg",
+    "num_dual_clipped", "sum_kl_k1", "sum_kl_k3", "sum_ratio", "sum_loss", "sum_entropy", "sum_objective",
+    "count",
+)
+SEARCH_KEYS = ("c_low", "c_high", "rho_before", "rho_after", "search_steps", "num_searches")
+
+
+class MetricSums:
+    """Accumulates `SUM_KEYS` over micro-batches and `SEARCH_KEYS` over searches."""
+
+    def __init__(self) -> None:
+        self.sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
+        self.search = torch.zeros(len(SEARCH_KEYS), dtype=torch.float64)
+
+    def add_stats(self, stats: dict) -> None:
+        for i, k in enumerate(SUM_KEYS):
+            if k in stats:
+                self.sums[i] += float(stats[k])
+
+    def add_search(self, c_low: float, c_high: float, rho_before: float, rho_after: float, steps: int) -> None:
+        self.search += torch.tensor([c_low, c_high, rho_before, rho_after, steps, 1.0], dtype=torch.float64)
+
+    def vector(self) -> torch.Tensor:
+        return torch.cat([self.sums, self.search])
+
+    @staticmethod
+    def finalize(vec: torch.Tensor) -> dict[str, float]:
+        n = len(SUM_KEYS)
+        sums = dict(zip(SUM_KEYS, vec[:n].tolist()))
+        search = dict(zip(SEARCH_KEYS, vec[n:].tolist()))
+        out = finalize_loss_metrics(sums, prefix="actor/")
+        num = max(sums["num_tokens"], 1.0)
+        out["actor/entropy"] = sums["sum_entropy"] / num
+        out["actor/loss"] = sums["sum_objective"] / max(sums["count"], 1.0)
+        out["actor/num_loss_tokens"] = sums["num_tokens"]
+        k = max(search["num_searches"], 1.0)
+        for key in ("c_low", "c_high", "rho_before", "rho_after", "search_steps"):
+            out[f"bapo/{key}"] = search[key] / k
+        return out
+
+
+def average_steps(steps: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Mean of each metric over optimizer steps (non-finite values propagate, by design)."""
+    steps = list(steps)
+    if not steps:
+        return {}
+    return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+
+
+def staleness_metrics(
+    versions: Optional[torch.Tensor], loss_mask: torch.Tensor, current_version: Optional[int]
+) -> dict[str, float]:
+    """Staleness (policy versions between a token's generator and the current policy) over loss tokens.
+
+    `current_version` None means the newest version present in the batch.
+    Buckets: `staleness/frac_0`, `frac_1`, `frac_2`, `frac_3plus`, plus mean and max.
+    """
+    if versions is None:
+        return {}
+    keep = loss_mask > 0
+    v = versions[keep].to(torch.float64)
+    if v.numel() == 0:
+        return {"staleness/mean": 0.0, "staleness/max": 0.0}
+    cur = float(v.max()) if current_version is None else float(current_version)
+    s = cur - v
+    out = {"staleness/mean": float(s.mean()), "staleness/max": float(s.max())}
+    for b in (0, 1, 2):
+        out[f"staleness/frac_{b}"] = float((s == b).double().mean())
+    out["staleness/frac_3plus"] = float((s >= 3).double().mean())
+    return out
+
+
+def finite(x: float) -> bool:
+    return math.isfinite(x)
