@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from functools import partial
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -308,3 +309,16 @@ class Actor:
         metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["actor/lr"] = lr
         return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory) -> "Path":
+        """Atomic dist_checkpointing save of model, optimizer, scheduler and RNG (see actor.checkpoint)."""
+        from megatron_bapo.actor.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory)
+
+    def load_checkpoint(self, directory, *, load_optimizer: bool = True) -> dict:
+        """Load (and reshard) a checkpoint from `save_checkpoint`; returns its metadata."""
+        from megatron_bapo.actor.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory, load_optimizer=load_optimizer)

@@ -1,0 +1,161 @@
+"""Actor checkpoints with `megatron.core.dist_checkpointing`: model, optimizer, scheduler, RNG.
+
+Layout of a checkpoint directory:
+    <dir>/            dist_checkpointing files (model + optimizer shards, common state)
+    <dir>/rng/rank<N>.pt   per-rank CPU/CUDA generator and megatron RNG-tracker states
+    <dir>/actor_meta.json  layout (tp, pp, dp), num_updates; written last
+
+Atomic: everything is written to `<dir>.tmp`, then rank 0 renames it to `<dir>` (an older `<dir>` is
+moved aside and deleted only after the rename), so a job killed mid-save leaves the previous
+checkpoint intact. Model and optimizer state reshard on load (save TP=2, load TP=1); RNG states are
+restored only when the layout is unchanged (they are per-rank streams), which exact resume needs.
+
+Why the FP32 (non-distributed) optimizer on CPU: the distributed optimizer's state does not
+restore exactly without Apex/TE (shared/notes/megatron-core-on-cpu.md), and the exact-resume test
+catches that, so the actor uses the plain optimizer when CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_bapo.actor.actor import Actor
+
+logger = logging.getLogger(__name__)
+META = "actor_meta.json"
+
+
+def _fast_results_queue() -> None:
+    """Avoid dist_checkpointing's spawn-context Manager (re-imports __main__, ~7 s per save)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+
+
+def _model_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+def _sharded_state(actor: "Actor", *, is_loading: bool, with_optimizer: bool) -> dict:
+    state: dict = {}
+    model_sd: dict = {}
+    for i, m in enumerate(actor.model):
+        sd = m.module.sharded_state_dict()
+        state[_model_key(i, len(actor.model))] = sd
+        model_sd.update(sd)
+    if with_optimizer:
+        state["optimizer"] = actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        state["scheduler"] = actor.scheduler.state_dict()
+    return state
+
+
+def _layout(actor: "Actor") -> dict:
+    p = actor.parallel
+    return {"tp": p.config.tp, "pp": p.config.pp, "cp": p.config.cp, "vpp": p.config.vpp, "dp": p.dp_size}
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_checkpoint(actor: "Actor", directory: str | os.PathLike) -> Path:
+    """Save everything needed to resume exactly; collective over all ranks. Returns the final path."""
+    from megatron.core import dist_checkpointing
+
+    final = Path(directory).absolute()
+    tmp = final.with_name(final.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    dist.barrier()
+    _fast_results_queue()
+    dist_checkpointing.save(_sharded_state(actor, is_loading=False, with_optimizer=True), str(tmp))
+    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        meta = {
+            "layout": _layout(actor), "world_size": dist.get_world_size(), "num_updates": actor.num_updates,
+            "num_skipped_steps": actor.num_skipped_steps, "distributed_optimizer": actor.distributed_optimizer,
+        }
+        (tmp / META).write_text(json.dumps(meta, indent=2))
+        old = final.with_name(final.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        if old.exists():
+            shutil.rmtree(old)
+    dist.barrier()
+    logger.info("actor checkpoint saved to %s (%d updates)", final, actor.num_updates)
+    return final
+
+
+def load_checkpoint(actor: "Actor", directory: str | os.PathLike, *, load_optimizer: bool = True) -> dict:
+    """Load a checkpoint saved by `save_checkpoint`, resharding model/optimizer to this layout.
+
+    With `load_optimizer=False` only the weights are loaded (e.g. to start RL from converted
+    weights). RNG states are restored when the layout matches the saved one. Returns the metadata.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = Path(directory).absolute()
+    meta_file = path / META
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{path} is not a complete actor checkpoint (no {META}); incomplete saves end in .tmp")
+    meta = json.loads(meta_file.read_text())
+    if load_optimizer and meta.get("distributed_optimizer", False) != actor.distributed_optimizer:
+        raise ValueError(
+            f"{path}: saved with distributed_optimizer={meta.get('distributed_optimizer')}, this actor uses "
+            f"{actor.distributed_optimizer}; load with load_optimizer=False or match ActorConfig.use_distributed_optimizer"
+        )
+    state = dist_checkpointing.load(
+        _sharded_state(actor, is_loading=True, with_optimizer=load_optimizer), str(path)
+    )
+    for i, m in enumerate(actor.model):
+        m.module.load_state_dict(state[_model_key(i, len(actor.model))], strict=True)
+    if load_optimizer:
+        actor.optimizer.load_state_dict(state["optimizer"])
+        actor.scheduler.load_state_dict(state["scheduler"])
+        actor.num_updates = int(meta["num_updates"])
+        actor.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
+        same_layout = meta["layout"] == _layout(actor) and meta["world_size"] == dist.get_world_size()
+        rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
+        if same_layout and rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            logger.warning("checkpoint layout %s differs from %s: RNG states not restored", meta["layout"], _layout(actor))
+    dist.barrier()
+    return meta
