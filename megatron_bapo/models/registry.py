@@ -40,8 +40,14 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
     return getattr(cfg, name, default)
 
 
+MODEL_TYPE_TO_ARCH = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+"""Used only when a config object has no `architectures` (e.g. built in code, not loaded)."""
+
+
 def _architecture(cfg: Any) -> str:
     archs = _get(cfg, "architectures") or []
+    if not archs and _get(cfg, "model_type") in MODEL_TYPE_TO_ARCH:
+        return MODEL_TYPE_TO_ARCH[_get(cfg, "model_type")]
     if len(archs) != 1:
         raise ValueError(
             f"HF config 'architectures' must name exactly one architecture, got {archs!r}; "
@@ -54,6 +60,21 @@ def padded_vocab(vocab_size: int, vocab_divisible_by: int) -> int:
     if vocab_divisible_by < 1:
         raise ValueError(f"vocab_divisible_by must be >= 1, got {vocab_divisible_by}")
     return int(math.ceil(vocab_size / vocab_divisible_by) * vocab_divisible_by)
+
+
+def rope_parameters(cfg: Any) -> dict:
+    """RoPE settings from either transformers layout: v5 `rope_parameters` (theta inside) or v4
+    top-level `rope_theta` + `rope_scaling`. Returns a dict with at least `rope_theta`, `rope_type`."""
+    params = dict(_get(cfg, "rope_parameters") or {})
+    scaling = _get(cfg, "rope_scaling") or {}
+    for k, v in scaling.items():
+        params.setdefault(k, v)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = _get(cfg, "rope_theta") or 10000.0
+    return params
 
 
 def _common(cfg: Any, arch: str, vocab_divisible_by: int) -> ModelArgs:
@@ -97,7 +118,7 @@ def _common(cfg: Any, arch: str, vocab_divisible_by: int) -> ModelArgs:
         max_sequence_length=int(_get(cfg, "max_position_embeddings", 4096)),
         position_embedding_type="rope",
         rotary_percent=1.0,
-        rotary_base=float(_get(cfg, "rope_theta", 10000.0)),
+        rotary_base=float(rope_parameters(cfg)["rope_theta"]),
         share_embeddings_and_output_weights=bool(_get(cfg, "tie_word_embeddings", False)),
     )
     return ModelArgs(arch, config_kwargs, gpt_kwargs, vocab, padded)
@@ -118,11 +139,9 @@ def _llama(cfg: Any, vocab_divisible_by: int) -> ModelArgs:
     if _get(cfg, "attention_bias", False) or _get(cfg, "mlp_bias", False):
         raise ValueError("LlamaForCausalLM: attention_bias/mlp_bias=True are not supported")
     args = _common(cfg, "LlamaForCausalLM", vocab_divisible_by)
-    scaling = _get(cfg, "rope_scaling")
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "default":
-            return args
+    scaling = rope_parameters(cfg)
+    kind = scaling["rope_type"]
+    if kind != "default":
         if kind != "llama3":
             raise ValueError(f"LlamaForCausalLM: rope_scaling type {kind!r} is not supported (only 'llama3')")
         # megatron-core's llama3 scaling fixes these three; anything else would silently differ.
@@ -136,9 +155,9 @@ def _llama(cfg: Any, vocab_divisible_by: int) -> ModelArgs:
 
 
 def _reject_rope_scaling(cfg: Any, arch: str) -> None:
-    scaling = _get(cfg, "rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"{arch}: rope_scaling={scaling!r} is not supported")
+    params = rope_parameters(cfg)
+    if params["rope_type"] != "default":
+        raise ValueError(f"{arch}: rope type {params['rope_type']!r} is not supported (only 'default')")
 
 
 MODEL_REGISTRY: dict[str, Callable[[Any, int], ModelArgs]] = {
