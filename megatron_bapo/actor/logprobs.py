@@ -14,8 +14,9 @@ Gradients (per token, local vocab column j, p = softmax, l = logits, lse = log-s
 Both need only global scalars (lse, H) that the forward already reduced: the backward has no
 communication.
 
-Vocabulary padding: columns with global id >= `vocab_size` (the real HF vocabulary) are masked to
--inf, so padded rows of the output layer never take probability mass.
+Vocabulary padding: columns with global id >= `vocab_size` (the real HF vocabulary) are a suffix
+of the vocabulary, so each rank simply ignores the padded tail of its slice (no copy, no -inf):
+padded rows of the output layer never take probability mass and get zero gradient.
 """
 
 from __future__ import annotations
@@ -33,12 +34,11 @@ def _all_reduce(t: torch.Tensor, op, group) -> None:
         dist.all_reduce(t, op=op, group=group)
 
 
-def _masked_fp32(chunk: torch.Tensor, vocab_start: int, vocab_size: Optional[int]) -> torch.Tensor:
-    x = chunk.float()
-    if vocab_size is not None and vocab_start + x.shape[-1] > vocab_size:
-        x = x.clone() if x.data_ptr() == chunk.data_ptr() else x
-        x[:, max(vocab_size - vocab_start, 0):] = float("-inf")
-    return x
+def _real_width(vocab_start: int, v_local: int, vocab_size: Optional[int]) -> int:
+    """Columns of this rank's slice that are real tokens (padding is a suffix of the global vocab)."""
+    if vocab_size is None:
+        return v_local
+    return max(0, min(v_local, vocab_size - vocab_start))
 
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
@@ -47,24 +47,30 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         n, v_local = logits.shape
         rank = dist.get_rank(group) if group is not None and dist.get_world_size(group) > 1 else 0
         vocab_start = rank * v_local
+        width = _real_width(vocab_start, v_local, vocab_size)
         logp = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse_all = torch.empty(n, dtype=torch.float32, device=logits.device)
         ent = torch.empty(n, dtype=torch.float32, device=logits.device) if with_entropy else None
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            x = _masked_fp32(logits[s:e], vocab_start, vocab_size)
-            m = x.max(dim=-1).values
+            x = logits[s:e, :width].float()  # a view when the logits are fp32 already
+            if width:
+                m = x.max(dim=-1).values
+            else:
+                m = torch.full((e - s,), float("-inf"), device=logits.device)
             _all_reduce(m, dist.ReduceOp.MAX, group)
-            ex = torch.exp(x - m.unsqueeze(-1))
+            ex = x - m.unsqueeze(-1)
+            ex.exp_()
             sum_exp = ex.sum(-1)
             local_t = targets[s:e] - vocab_start
-            owned = (local_t >= 0) & (local_t < v_local)
-            tgt = torch.gather(x, 1, local_t.clamp(0, v_local - 1).unsqueeze(1)).squeeze(1)
-            tgt = torch.where(owned, tgt, torch.zeros_like(tgt))
+            owned = (local_t >= 0) & (local_t < width)
+            if width:
+                tgt = torch.gather(x, 1, local_t.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
+                tgt = torch.where(owned, tgt, torch.zeros_like(tgt))
+            else:
+                tgt = torch.zeros_like(sum_exp)
             if with_entropy:
-                # sum_j exp(l_j - m) * l_j, with masked columns contributing 0 (not 0 * -inf).
-                x_fin = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
-                wsum = (ex * x_fin).sum(-1)
+                wsum = torch.linalg.vecdot(ex, x) if width else torch.zeros_like(sum_exp)  # sum_j e^(l_j-m) l_j
                 packed = torch.stack([sum_exp, tgt, wsum])
             else:
                 packed = torch.stack([sum_exp, tgt])
@@ -76,7 +82,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
                 ent[s:e] = lse - packed[2] / packed[0]
             del x, ex
         ctx.save_for_backward(logits, targets, lse_all, ent if with_entropy else lse_all)
-        ctx.meta = (vocab_start, vocab_size, chunk_size, with_entropy)
+        ctx.meta = (vocab_start, width, chunk_size, with_entropy)
         if with_entropy:
             return logp, ent
         return logp, torch.zeros(0, dtype=torch.float32, device=logits.device)
@@ -84,26 +90,35 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         logits, targets, lse_all, ent = ctx.saved_tensors
-        vocab_start, vocab_size, chunk_size, with_entropy = ctx.meta
+        vocab_start, width, chunk_size, with_entropy = ctx.meta
         n, v_local = logits.shape
         grad = torch.empty_like(logits)
+        if width < v_local:
+            grad[:, width:] = 0
         use_ent = with_entropy and grad_ent is not None and grad_ent.numel() == n
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            x = _masked_fp32(logits[s:e], vocab_start, vocab_size)
-            p = torch.exp(x - lse_all[s:e].unsqueeze(-1))  # 0 on masked columns
-            g = torch.zeros_like(x) if grad_logp is None else -p * grad_logp[s:e].unsqueeze(-1)
-            if grad_logp is not None:
-                local_t = targets[s:e] - vocab_start
-                owned = (local_t >= 0) & (local_t < v_local)
-                rows = torch.nonzero(owned).squeeze(1)
-                g[rows, local_t[rows]] += grad_logp[s:e][rows]
+            if not width:
+                continue
+            x = logits[s:e, :width].float()
+            g = x - lse_all[s:e].unsqueeze(-1)
+            g.exp_()  # softmax p
             if use_ent:
-                x_fin = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
-                shift = (ent[s:e] - lse_all[s:e]).unsqueeze(-1)
-                g -= grad_ent[s:e].unsqueeze(-1) * p * (x_fin + shift)
-            grad[s:e] = g.to(grad.dtype)
-            del x, p, g
+                # dH/dl_j = -p_j (l_j - lse + H)
+                t = x + (ent[s:e] - lse_all[s:e]).unsqueeze(-1)
+                t.mul_(g).mul_(-grad_ent[s:e].unsqueeze(-1))
+            if grad_logp is not None:
+                g.mul_(-grad_logp[s:e].unsqueeze(-1))  # -p * dL/dlogp
+                local_t = targets[s:e] - vocab_start
+                rows = torch.nonzero((local_t >= 0) & (local_t < width)).squeeze(1)
+                g[rows, local_t[rows]] += grad_logp[s:e][rows]
+            else:
+                g.zero_()
+            if use_ent:
+                g.add_(t)
+                del t
+            grad[s:e, :width] = g.to(grad.dtype)
+            del x, g
         return grad, None, None, None, None, None
 
 
