@@ -142,3 +142,20 @@ def test_minibatches_and_epochs_with_adam_dp2_equals_dp1(run_dist):
         for name, ref in p1.items():
             torch.testing.assert_close(p[name], ref, atol=1e-5, rtol=0, msg=name)
         assert m["actor/loss"] == pytest.approx(m1["actor/loss"], abs=1e-5)
+
+
+def _uneven(rank, world_size, scope):
+    actor = _actor(budget=30, scope=scope)
+    b = _near_batch(actor, seed=7, num_seqs=3)  # 3 sequences on 2 ranks: one rank runs a no-loss filler
+    m = actor.train_step(b)
+    return full_params(actor), m
+
+
+@pytest.mark.parametrize("scope", ["minibatch", "microbatch"])
+def test_uneven_shards_and_filler_microbatches(run_dist, scope):
+    (p1, m1), = run_dist(_uneven, 1, "minibatch", timeout=120)
+    for p, m in run_dist(_uneven, 2, scope, timeout=120):
+        assert m["actor/num_loss_tokens"] == m1["actor/num_loss_tokens"]
+        if scope == "minibatch":
+            for name, ref in p1.items():
+                torch.testing.assert_close(p[name], ref, atol=1e-6, rtol=0, msg=name)

@@ -150,3 +150,25 @@ def test_te_layer_spec_on_gpu():
         pytest.skip("Transformer Engine is not installed")
     spec = get_layer_spec()
     assert "TE" in spec.submodules.self_attention.submodules.core_attention.__name__
+
+
+def _from_hf_dir(rank, world_size, path):
+    from transformers import AutoConfig
+
+    from megatron_bapo.actor import ActorConfig
+    from megatron_bapo.actor.actor import Actor
+    from megatron_bapo.models.parallel import ParallelConfig
+
+    hf = AutoConfig.from_pretrained(path)
+    actor = Actor(ActorConfig(parallel=ParallelConfig(tp=world_size)), hf)
+    ids = torch.randint(1, hf.vocab_size, (2, 12))
+    return actor.compute_logprobs({"input_ids": ids, "attention_mask": torch.ones_like(ids)}), hf.vocab_size
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("megatron_bapo.tiny") is None, reason="megatron_bapo.tiny not landed yet"
+)
+def test_builds_from_the_tiny_hf_checkpoint_config(run_dist, tiny_hf_dir):
+    (lp, vocab), = run_dist(_from_hf_dir, 1, str(tiny_hf_dir), timeout=120)
+    assert torch.isfinite(lp).all() and (lp[:, 1:] < 0).all()
+    assert lp[:, 1:].mean() > -2 * math.log(vocab)  # a random model is near uniform
