@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -159,3 +161,19 @@ def test_uneven_shards_and_filler_microbatches(run_dist, scope):
         if scope == "minibatch":
             for name, ref in p1.items():
                 torch.testing.assert_close(p[name], ref, atol=1e-6, rtol=0, msg=name)
+
+
+def _nan_batch(rank, world_size):
+    actor = _actor(n_mini=2)
+    b = _near_batch(actor)
+    before = full_params(actor)
+    b["advantages"][0, :] = float("nan")  # first mini-batch is bad, second is fine
+    m = actor.train_step(b)
+    return before, full_params(actor), m, actor.num_updates, actor.num_skipped_steps
+
+
+def test_non_finite_minibatch_is_skipped_and_counted(run_dist):
+    for before, after, m, updates, skipped in run_dist(_nan_batch, 2, timeout=120):
+        assert updates == 1 and skipped == 1
+        assert m["actor/skipped_steps_total"] == 1 and math.isfinite(m["actor/loss"])
+        assert any((after[n] - p).abs().max() > 0 for n, p in before.items())  # the good mini-batch trained

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron_bapo.actor import batching
 from megatron_bapo.actor.config import ActorConfig
 from megatron_bapo.actor.logprobs import token_aligned_logprobs
-from megatron_bapo.actor.metrics import MetricSums, average_steps, staleness_metrics
+from megatron_bapo.actor.metrics import MetricSums, acc_keys, average_steps, staleness_metrics
 from megatron_bapo.algorithms import policy_loss, search_clip_bounds
 from megatron_bapo.models.builder import build_gpt_model
 from megatron_bapo.models.parallel import ParallelGroups, initialize_model_parallel
@@ -265,7 +265,23 @@ class Actor:
         stats["count"] = count
         return loss, count.round().to(torch.int).reshape(()), stats
 
+    def _skip(self, reason: str) -> None:
+        self.num_skipped_steps += 1
+        logger.warning("%s: optimizer step skipped (%d so far)", reason, self.num_skipped_steps)
+        if self.num_skipped_steps > self.config.max_skipped_steps:
+            raise RuntimeError(
+                f"Actor: {self.num_skipped_steps} skipped (non-finite) steps exceed ActorConfig.max_skipped_steps="
+                f"{self.config.max_skipped_steps}; check rewards, advantages and behavior log-probs"
+            )
+
     def _minibatch_step(self, data: dict[str, torch.Tensor], rows: slice) -> dict[str, float]:
+        # Every rank holds the whole batch, so all ranks agree on skipping without a collective.
+        keep = data["loss_mask"][rows] > 0
+        if not (torch.isfinite(data["behavior_logprobs"][rows][keep]).all() and torch.isfinite(data["advantages"][rows][keep]).all()):
+            self._skip("non-finite behavior log-probs or advantages on loss tokens")
+            out = MetricSums.finalize(torch.full((len(acc_keys()),), float("nan"), dtype=torch.float64))
+            out.update({"actor/grad_norm": float("nan"), "actor/lr": float(self.optimizer.param_groups[0]["lr"])})
+            return out
         mbs = self._microbatches(data, rows)
         acc = MetricSums()
         bounds = None
@@ -293,13 +309,7 @@ class Actor:
         metrics = MetricSums.finalize(torch.cat([sums, search]))
         lr = float(self.optimizer.param_groups[0]["lr"])
         if not math.isfinite(metrics["actor/loss"]):
-            self.num_skipped_steps += 1
-            logger.warning("non-finite loss: optimizer step skipped (%d so far)", self.num_skipped_steps)
-            if self.num_skipped_steps > self.config.max_skipped_steps:
-                raise RuntimeError(
-                    f"Actor: {self.num_skipped_steps} non-finite steps exceed ActorConfig.max_skipped_steps="
-                    f"{self.config.max_skipped_steps}; check rewards, advantages and behavior log-probs"
-                )
+            self._skip("non-finite loss")
             self.optimizer.zero_grad()
             grad_norm = float("nan")
         else:

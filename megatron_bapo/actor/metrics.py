@@ -24,6 +24,11 @@ SUM_KEYS = (
 SEARCH_KEYS = ("c_low", "c_high", "rho_before", "rho_after", "search_steps", "num_searches")
 
 
+def acc_keys() -> tuple[str, ...]:
+    """Layout of `MetricSums.vector()`."""
+    return SUM_KEYS + SEARCH_KEYS
+
+
 class MetricSums:
     """Accumulates `SUM_KEYS` over micro-batches and `SEARCH_KEYS` over searches."""
 
@@ -59,11 +64,13 @@ class MetricSums:
 
 
 def average_steps(steps: Iterable[dict[str, float]]) -> dict[str, float]:
-    """Mean of each metric over optimizer steps (non-finite values propagate, by design)."""
+    """Mean of each metric over optimizer steps, ignoring NaN (skipped steps); NaN if all are NaN."""
     steps = list(steps)
-    if not steps:
-        return {}
-    return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    out: dict[str, float] = {}
+    for k in (steps[0] if steps else {}):
+        vals = [s[k] for s in steps if not math.isnan(s[k])]
+        out[k] = sum(vals) / len(vals) if vals else float("nan")
+    return out
 
 
 def staleness_metrics(
