@@ -1,0 +1,160 @@
+"""Rewards: `reward_fn(response, answer) -> float`, built-in by name or a plugin by import path.
+
+Built-ins (explicit registry, imported lazily so `arithmetic` does not pull in sympy):
+- "math": math-verify on the last `\\boxed{}` answer (`megatron_bapo.rewards.math`);
+- "math_last_number": the same, grading the last number when there is no box;
+- "arithmetic": the tiny default's synthetic task (`megatron_bapo.rewards.arithmetic`).
+
+Any other spec must be "package.module:function". `score_batch` scores many responses and counts
+the ones that could not be judged, so bad samples show up in metrics instead of crashing a run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import importlib
+import logging
+from math import isfinite  # not `import math`: the submodule `rewards.math` would shadow it
+from collections import Counter
+from typing import Callable, Sequence, Union
+
+from megatron_bapo.rewards.types import DetailedRewardFn, RewardFn, RewardResult
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_REWARDS: dict[str, str] = {
+    "math": "megatron_bapo.rewards.math:math_reward",
+    "math_last_number": "megatron_bapo.rewards.math:math_last_number_reward",
+    "arithmetic": "megatron_bapo.rewards.arithmetic:arithmetic_reward",
+}
+"""Built-in reward name -> import path of its float `RewardFn`."""
+
+BUILTIN_DETAILED_REWARDS: dict[str, str] = {
+    "math": "megatron_bapo.rewards.math:score_math",
+    "math_last_number": "megatron_bapo.rewards.math:score_math_last_number",
+}
+"""Built-ins that can also say why a response scored 0 (returning `RewardResult`)."""
+
+
+class RewardSpecError(ValueError):
+    """A reward spec cannot be resolved; the message names the spec and what to fix."""
+
+
+def _import_path(spec: str, path: str) -> Callable:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise RewardSpecError(
+            f"reward spec {spec!r}: expected a built-in name ({', '.join(sorted(BUILTIN_REWARDS))}) "
+            "or an import path 'package.module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RewardSpecError(f"reward spec {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardSpecError(f"reward spec {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardSpecError(f"reward spec {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Resolve a built-in name or "package.module:function" to a `RewardFn(response, answer) -> float`."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise RewardSpecError(f"reward spec must be a non-empty string, got {spec!r}")
+    spec = spec.strip()
+    return _import_path(spec, BUILTIN_REWARDS.get(spec, spec))
+
+
+def load_detailed_reward_fn(spec: Union[str, RewardFn]) -> DetailedRewardFn:
+    """Like `load_reward_fn`, but returning `RewardResult`s.
+
+    Built-ins with a detailed form report their own reasons; any other reward is wrapped: an
+    exception or a non-finite / non-numeric value scores 0 and is marked failed.
+    """
+    if isinstance(spec, str) and spec.strip() in BUILTIN_DETAILED_REWARDS:
+        return _import_path(spec, BUILTIN_DETAILED_REWARDS[spec.strip()])
+    fn = load_reward_fn(spec) if isinstance(spec, str) else spec
+    if not callable(fn):
+        raise RewardSpecError(f"reward must be a spec string or a callable, got {fn!r}")
+    return _Wrapped(fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wrapped:
+    """A plain float reward as a detailed one (a class, not a closure, so it pickles)."""
+
+    fn: RewardFn
+
+    def __call__(self, response: str, answer: str) -> RewardResult:
+        try:
+            value = self.fn(response, answer)
+        except Exception:  # a plugin bug must not stop training; it is counted instead
+            logger.debug("reward %r raised", self.fn, exc_info=True)
+            return RewardResult(0.0, "error", None, failed=True)
+        if isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, (int, float)) or not isfinite(value):
+            return RewardResult(0.0, "invalid_reward", None, failed=True)
+        return RewardResult(float(value), "scored")
+
+
+@dataclasses.dataclass
+class BatchScores:
+    """Scores of a batch in input order, with failure counts by reason."""
+
+    results: list[RewardResult]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.results]
+
+    @property
+    def num_failed(self) -> int:
+        return sum(r.failed for r in self.results)
+
+    @property
+    def failure_counts(self) -> dict[str, int]:
+        return dict(Counter(r.reason for r in self.results if r.failed))
+
+
+def score_batch(
+    reward: Union[str, RewardFn, DetailedRewardFn],
+    responses: Sequence[str],
+    answers: Sequence[str],
+    *,
+    num_workers: int = 0,
+    detailed: bool = False,
+) -> BatchScores:
+    """Score `responses[i]` against `answers[i]` for all i; never raises on a bad response.
+
+    `reward` is a spec string, a `RewardFn`, or (with `detailed=True`) a function returning
+    `RewardResult`. `num_workers > 0` scores on a thread pool (the math reward then checks in
+    worker processes with hard timeouts); 0 scores in the calling thread.
+    """
+    if len(responses) != len(answers):
+        raise ValueError(f"score_batch: {len(responses)} responses but {len(answers)} answers")
+    if num_workers < 0:
+        raise ValueError(f"score_batch: num_workers must be >= 0, got {num_workers}")
+    fn: DetailedRewardFn = reward if detailed and callable(reward) else load_detailed_reward_fn(reward)  # type: ignore[arg-type]
+    if num_workers == 0 or len(responses) <= 1:
+        return BatchScores([fn(r, a) for r, a in zip(responses, answers)])
+    with concurrent.futures.ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="reward") as pool:
+        return BatchScores(list(pool.map(fn, responses, answers)))
+
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "BatchScores",
+    "DetailedRewardFn",
+    "RewardFn",
+    "RewardResult",
+    "RewardSpecError",
+    "load_detailed_reward_fn",
+    "load_reward_fn",
+    "score_batch",
+]

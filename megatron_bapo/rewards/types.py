@@ -1,0 +1,29 @@
+"""Reward result types shared by the built-in rewards, the batch scorer and evaluation."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+RewardFn = Callable[[str, str], float]
+"""`reward_fn(response, answer) -> float`: the contract every reward (built-in or plugin) follows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardResult:
+    """One scored response with the reason behind the number.
+
+    `failed` marks responses that could not be judged (no answer, unparsable answer, timeout, a
+    crashing plugin): they score 0 and are counted, so a bad sample never stops a long job.
+    """
+
+    reward: float
+    reason: str
+    """"correct", "wrong", "scored" (plugin reward), or a failure: "no_answer", "unparsable_answer",
+    "answer_too_long", "bad_reference", "timeout", "error", "invalid_reward"."""
+    extracted: Optional[str] = None
+    """The answer string taken from the response (None when none was found)."""
+    failed: bool = False
+
+
+DetailedRewardFn = Callable[[str, str], RewardResult]
