@@ -1,0 +1,56 @@
+"""`tools/evaluate.py`: sample n responses per problem from an HF checkpoint and report avg@n,
+pass@k and maj@n per dataset.
+
+    python tools/evaluate.py --model-path HF_DIR --data aime24.jsonl [--data aime25.parquet]
+        [--n 16] [--temperature 0.6] [--top-p 0.95] [--max-new-tokens N]
+        [--server-url URL ...] [--reward math] [--output DIR]
+
+Without --server-url the built-in CPU server is started on 127.0.0.1 for the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from megatron_bapo.eval.config import EvalConfig
+from megatron_bapo.eval.runner import datasets_from_paths, evaluate_checkpoint, format_metrics
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0])
+    d = EvalConfig()
+    p.add_argument("--model-path", required=True, help="HF checkpoint dir (tokenizer; model for the built-in server)")
+    p.add_argument("--data", required=True, action="append", help="jsonl/parquet eval set; repeat for several")
+    p.add_argument("--n", type=int, default=d.n, help="samples per problem")
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--server-url", nargs="+", action="extend", default=[], help="SGLang server or router URL(s)")
+    p.add_argument("--reward", default=d.reward, help="built-in name or package.module:function")
+    p.add_argument("--output", default=None, help="dir for <dataset>.jsonl per-problem records and metrics.json")
+    p.add_argument("--max-problems", type=int, default=None, help="evaluate only the first N problems per file")
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight at once")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = EvalConfig(
+            datasets=datasets_from_paths(args.data), n=args.n, temperature=args.temperature, top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens, reward=args.reward, max_problems=args.max_problems,
+            concurrency=args.concurrency,
+        )
+        from megatron_bapo.rewards import load_reward_fn
+
+        load_reward_fn(config.reward)  # fail before starting servers on a bad spec
+    except ValueError as exc:
+        print(f"evaluate.py: error: {exc}", file=sys.stderr)
+        return 2
+    metrics = evaluate_checkpoint(args.model_path, config, server_urls=args.server_url, output_dir=args.output)
+    print(format_metrics(metrics))
+    return 0

@@ -1,0 +1,169 @@
+"""Run evaluations: the in-training hook (`run_evaluation`) and the standalone driver behind
+`tools/evaluate.py` (`evaluate_checkpoint`), which starts the built-in server when no URL is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
+
+from megatron_bapo.eval.config import EvalConfig, EvalDatasetConfig
+from megatron_bapo.eval.core import EvalProblem, Prompt, evaluate_records, load_problems, write_records
+from megatron_bapo.eval.sampling import HttpSampler, Sampler, sample_all
+
+logger = logging.getLogger(__name__)
+
+
+def prompt_to_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt: chat messages go through the tokenizer's chat template (with the
+    generation prompt); plain text is tokenized as is (no template, no added special tokens)."""
+    if isinstance(prompt, list):
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    else:
+        text = prompt
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def as_sampler(client: Any) -> Sampler:
+    """Anything with `async generate(input_ids, sampling_params) -> Sample` is used as is."""
+    if hasattr(client, "generate") and asyncio.iscoroutinefunction(client.generate):
+        return client
+    raise TypeError(f"{type(client).__name__} has no `async generate(input_ids, sampling_params)`; wrap it")
+
+
+async def evaluate_dataset(
+    sampler: Sampler,
+    tokenizer: Any,
+    problems: Sequence[EvalProblem],
+    config: EvalConfig,
+    *,
+    name: str = "eval",
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Sample `config.n` responses per problem, score them; (records, unprefixed metrics)."""
+    kept, ids = [], []
+    num_too_long = 0
+    for problem in problems:
+        prompt_ids = prompt_to_ids(tokenizer, problem.prompt)
+        if not prompt_ids or (config.max_prompt_tokens is not None and len(prompt_ids) > config.max_prompt_tokens):
+            num_too_long += 1
+            continue
+        kept.append(problem)
+        ids.append(prompt_ids)
+    if num_too_long:
+        logger.warning("%s: %d prompts empty or over max_prompt_tokens=%s; skipped", name, num_too_long,
+                       config.max_prompt_tokens)
+    started = time.monotonic()
+    samples = await sample_all(sampler, ids, config.n, config.sampling_params(), concurrency=config.concurrency)
+    sample_s = time.monotonic() - started
+    records, metrics = evaluate_records(kept, samples, config.reward, dataset=name)
+    metrics["num_prompts_skipped"] = float(num_too_long)
+    metrics["sample_s"] = sample_s
+    return records, metrics
+
+
+async def run_evaluation(
+    client: Any,
+    tokenizer: Any,
+    eval_config: EvalConfig,
+    *,
+    output_dir: Optional[Union[str, Path]] = None,
+    step: Optional[int] = None,
+) -> dict[str, float]:
+    """Evaluate every dataset of `eval_config`; metrics as `eval/<dataset>/<metric>`.
+
+    `client` samples (`HttpSampler` or any object with `async generate(input_ids, sampling_params)`).
+    With `output_dir`, per-problem records go to `<output_dir>/<dataset>[.step<step>].jsonl`.
+    Rows without prompt/answer are counted in `eval/<dataset>/num_rows_skipped`.
+    """
+    sampler = as_sampler(client)
+    out: dict[str, float] = {}
+    for ds in eval_config.datasets:
+        problems, num_bad = load_problems(ds.path, max_problems=eval_config.max_problems)
+        records, metrics = await evaluate_dataset(sampler, tokenizer, problems, eval_config, name=ds.name)
+        metrics["num_rows_skipped"] = float(num_bad)
+        if output_dir is not None:
+            suffix = f".step{step}" if step is not None else ""
+            write_records(records, Path(output_dir) / f"{ds.name}{suffix}.jsonl")
+        out.update({f"eval/{ds.name}/{k}": v for k, v in metrics.items()})
+    return out
+
+
+def datasets_from_paths(paths: Sequence[Union[str, Path]]) -> list[EvalDatasetConfig]:
+    """One dataset per file, named by the file stem (`aime24.jsonl` -> `aime24`; repeats get `_2`, ...)."""
+    out: list[EvalDatasetConfig] = []
+    seen: dict[str, int] = {}
+    for p in paths:
+        stem = "".join(ch if ch.isalnum() or ch in "_-." else "_" for ch in Path(p).stem) or "data"
+        seen[stem] = seen.get(stem, 0) + 1
+        out.append(EvalDatasetConfig(name=stem if seen[stem] == 1 else f"{stem}_{seen[stem]}", path=str(p)))
+    return out
+
+
+@contextlib.contextmanager
+def _servers(model_path: str, urls: Sequence[str], server_kwargs: dict) -> Iterator[list[str]]:
+    if urls:
+        yield list(urls)
+        return
+    from megatron_bapo.server.launch import start_server
+
+    logger.info("no --server-url given: starting the built-in server on loopback for %s", model_path)
+    handle = start_server(model_path, **server_kwargs)
+    try:
+        yield [handle.url]
+    finally:
+        handle.stop()
+
+
+def evaluate_checkpoint(
+    model_path: Union[str, Path],
+    config: EvalConfig,
+    *,
+    server_urls: Sequence[str] = (),
+    output_dir: Optional[Union[str, Path]] = None,
+    server_kwargs: Optional[dict] = None,
+) -> dict[str, float]:
+    """Evaluate an HF checkpoint directory on `config.datasets` (what `tools/evaluate.py` runs).
+
+    Samples through `server_urls` (SGLang servers or a router serving this checkpoint) or, when
+    none are given, a built-in server started on loopback and stopped afterwards. Writes
+    `<output_dir>/<dataset>.jsonl` (per problem) and `<output_dir>/metrics.json`.
+    """
+    from transformers import AutoTokenizer
+
+    if not config.datasets:
+        raise ValueError("evaluate_checkpoint: config.datasets is empty; give at least one data file")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    with _servers(str(model_path), server_urls, dict(server_kwargs or {})) as urls:
+
+        async def main() -> dict[str, float]:
+            async with HttpSampler(urls) as sampler:
+                return await run_evaluation(sampler, tokenizer, config, output_dir=output_dir)
+
+        metrics = asyncio.run(main())
+    if output_dir is not None:
+        summary = {"model_path": str(model_path), "server_urls": list(server_urls) or "built-in",
+                   "config": dataclasses.asdict(config), "metrics": metrics}
+        path = Path(output_dir) / "metrics.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return metrics
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """A small table: one row per dataset, one column per metric."""
+    by_ds: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        _, ds, name = key.split("/", 2)
+        by_ds.setdefault(ds, {})[name] = value
+    cols = [c for c in next(iter(by_ds.values()), {}) if "@" in c] + ["num_problems", "num_answer_failures"]
+    lines = ["dataset".ljust(16) + "".join(c.rjust(20) for c in cols)]
+    for ds, values in by_ds.items():
+        cells = "".join((f"{values[c]:.4f}" if "@" in c else f"{values[c]:.0f}").rjust(20) for c in cols if c in values)
+        lines.append(ds.ljust(16) + cells)
+    return "\n".join(lines)
