@@ -255,3 +255,12 @@ def test_evaluate_checkpoint_starts_builtin_server(model_dir, eval_data, tmp_pat
     metrics = evaluate_checkpoint(model_dir, config, output_dir=tmp_path / "o")
     records = read_records(tmp_path / "o" / "tiny.jsonl")
     _check_metrics_match_records(metrics, records, "eval/tiny/", 2, "math")
+
+
+def test_rejected_request_is_an_error_sample_not_a_crash(server_url):
+    async def main():
+        async with HttpSampler([server_url]) as sampler:
+            return await sampler.generate([], {"max_new_tokens": 4})
+
+    sample = asyncio.run(main())
+    assert sample.finish_reason == "error" and sample.text == "" and "400" in sample.error

@@ -183,3 +183,10 @@ def test_dataset_names_from_paths_and_table():
     table = format_metrics({"eval/aime24/avg@4": 0.25, "eval/aime24/pass@1": 0.25, "eval/aime24/num_problems": 3.0,
                             "eval/aime24/num_answer_failures": 1.0})
     assert "aime24" in table and "0.2500" in table
+
+
+def test_request_errors_score_zero_and_are_counted():
+    samples = [[Sample("\\boxed{1}"), Sample("", finish_reason="error", error="400: too long")]]
+    records, metrics = evaluate_records(_problems(["1"]), samples)
+    assert metrics["avg@2"] == 0.5 and metrics["num_request_errors"] == 1
+    assert records[0]["responses"][1]["error"] == "400: too long"

@@ -37,8 +37,10 @@ class Sample:
 
     text: str
     finish_reason: str = "stop"
-    """"stop", "length" (hit max_new_tokens) or "abort"."""
+    """"stop", "length" (hit max_new_tokens), "abort", or "error" (the server rejected the request)."""
     num_tokens: int = 0
+    error: Optional[str] = None
+    """The server's message when finish_reason is "error"."""
 
 
 def is_correct(reward: float) -> bool:
@@ -59,7 +61,8 @@ def evaluate_records(
     Every problem must have the same n. Metrics (unprefixed): `avg@n` (mean reward), `pass@k`
     for k = 1, 2, 4, ... <= n (unbiased estimator), `maj@n` (majority vote over normalised
     extracted answers), plus counts: `num_problems`, `num_samples`, `num_answer_failures`
-    (responses with no/unparsable answer or a reward error), `truncated_frac`, `response_tokens_mean`.
+    (responses with no/unparsable answer or a reward error), `num_request_errors` (requests the
+    server rejected; they score 0), `truncated_frac`, `response_tokens_mean`.
     Each metric is the mean of the same key over the records.
     """
     if len(problems) != len(samples):
@@ -107,6 +110,7 @@ def evaluate_records(
                         "extracted": r.extracted,
                         "finish_reason": s.finish_reason,
                         "num_tokens": s.num_tokens,
+                        **({"error": s.error} if s.error else {}),
                     }
                     for s, r, c in zip(group, results, correct)
                 ],
@@ -116,6 +120,7 @@ def evaluate_records(
     out["num_problems"] = float(len(problems))
     out["num_samples"] = float(len(flat))
     out["num_answer_failures"] = float(scores.num_failed)
+    out["num_request_errors"] = float(sum(s.finish_reason == "error" for s in flat))
     out["truncated_frac"] = sum(s.finish_reason == "length" for s in flat) / len(flat)
     out["response_tokens_mean"] = sum(s.num_tokens for s in flat) / len(flat)
     if scores.num_failed:

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from megatron_bapo.eval.config import EvalConfig, EvalDatasetConfig
 from megatron_bapo.eval.core import EvalProblem, Prompt, evaluate_records, load_problems, write_records
-from megatron_bapo.eval.sampling import HttpSampler, Sampler, sample_all
+from megatron_bapo.eval.sampling import HttpSampler, Sampler, SamplingError, sample_all
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,10 @@ async def evaluate_dataset(
     started = time.monotonic()
     samples = await sample_all(sampler, ids, config.n, config.sampling_params(), concurrency=config.concurrency)
     sample_s = time.monotonic() - started
+    errors = [s.error for group in samples for s in group if s.finish_reason == "error"]
+    if errors and len(errors) == sum(len(g) for g in samples):
+        # Every request rejected means a wrong setting (sampling field, context), not bad data.
+        raise SamplingError(f"{name}: the server rejected all {len(errors)} requests; first: {errors[0]}")
     records, metrics = evaluate_records(kept, samples, config.reward, dataset=name)
     metrics["num_prompts_skipped"] = float(num_too_long)
     metrics["sample_s"] = sample_s
@@ -110,7 +114,11 @@ def _servers(model_path: str, urls: Sequence[str], server_kwargs: dict) -> Itera
     if urls:
         yield list(urls)
         return
-    from megatron_bapo.server.launch import start_server
+    try:
+        from megatron_bapo.server.launch import start_server
+    except ImportError as exc:
+        raise RuntimeError(f"no server URL given and the built-in server cannot be imported ({exc}); "
+                           "pass --server-url") from exc
 
     logger.info("no --server-url given: starting the built-in server on loopback for %s", model_path)
     handle = start_server(model_path, **server_kwargs)

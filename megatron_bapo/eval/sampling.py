@@ -31,8 +31,9 @@ class HttpSampler:
     """POST `/generate` with `input_ids` to a pool of servers (or one router URL).
 
     One request per sample (as slime does; SGLang's `n` fan-out drops request ids). A request that
-    fails (connection error, 5xx, timeout) is retried with exponential backoff on the next server.
-    A 4xx is the caller's fault and is raised at once with the server's message.
+    fails (connection error, 5xx, timeout) is retried with exponential backoff on the next server;
+    `SamplingError` after the last retry. A 4xx (a bad request: retrying cannot help) gives a
+    `Sample` with `finish_reason="error"`, which scores 0 and is counted, not raised.
     """
 
     def __init__(
@@ -78,13 +79,15 @@ class HttpSampler:
             try:
                 async with self._session.post(f"{url}/generate", json=payload) as resp:
                     if 400 <= resp.status < 500:
-                        raise ValueError(f"{url}/generate rejected the request ({resp.status}): {await resp.text()}")
+                        # The request itself is bad (e.g. prompt + max_new_tokens over the context):
+                        # retrying cannot help; the sample is recorded as an error and counted.
+                        message = (await resp.text())[:500]
+                        logger.warning("%s/generate rejected a request (%d): %s", url, resp.status, message)
+                        return Sample(text="", finish_reason="error", num_tokens=0, error=f"{resp.status}: {message}")
                     if resp.status != 200:
                         raise SamplingError(f"{url}/generate returned {resp.status}: {(await resp.text())[:200]}")
                     body = await resp.json()
                 return _to_sample(body)
-            except ValueError:
-                raise
             except (aiohttp.ClientError, asyncio.TimeoutError, SamplingError) as exc:
                 last_error = exc
                 logger.warning("generate on %s failed (attempt %d/%d): %r", url, attempt + 1, self.max_retries + 1, exc)
