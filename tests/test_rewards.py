@@ -297,3 +297,23 @@ def test_score_batch_plugin_and_callable(plugin_module):
 def test_score_batch_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         score_batch("math", ["a", "b"], ["1"])
+
+
+def test_dead_worker_process_is_replaced():
+    from megatron_bapo.rewards import math as math_mod
+
+    def in_thread(response, answer):
+        out = []
+        t = threading.Thread(target=lambda: out.append(score_math(response, answer, MathRewardConfig(num_workers=1))))
+        t.start()
+        t.join(timeout=120)
+        return out[0]
+
+    assert in_thread("\\boxed{3}", "3").reason == "correct"
+    pool = math_mod._worker_pool(1)
+    idle = list(pool._idle.queue)
+    assert len(idle) == 1
+    idle[0].process.kill()  # our own child process, by its handle
+    idle[0].process.wait(timeout=30)
+    assert in_thread("\\boxed{0.5}", "\\frac{1}{2}").reason == "correct"
+    assert pool._idle.queue[0].process.pid != idle[0].process.pid

@@ -254,21 +254,29 @@ class _WorkerPool:
 
     def score(self, extracted: str, answer: str, timeout_s: float) -> RewardResult:
         with self._slots:
-            try:
-                worker = self._idle.get_nowait()
-            except queue.Empty:
+            for attempt in range(2):
                 try:
-                    worker = _Worker()
-                except Exception as exc:
-                    logger.error("cannot start a math-verify worker: %r", exc)
-                    return RewardResult(0.0, "error", extracted, failed=True)
-            result = worker.request(extracted, answer, timeout_s)
-            if result is not None:
-                self._idle.put(worker)
-                return result
-            logger.warning("math-verify worker %d stuck or dead on %r; killing it", worker.process.pid, extracted[:64])
-            worker.kill()
-            return RewardResult(0.0, "timeout", extracted, failed=True)
+                    worker = self._idle.get_nowait()
+                except queue.Empty:
+                    try:
+                        worker = _Worker()
+                    except Exception as exc:
+                        logger.error("cannot start a math-verify worker: %r", exc)
+                        return RewardResult(0.0, "error", extracted, failed=True)
+                was_alive = worker.process.poll() is None
+                result = worker.request(extracted, answer, timeout_s)
+                if result is not None:
+                    self._idle.put(worker)
+                    return result
+                worker.kill()
+                if was_alive and worker.process.returncode == -signal.SIGKILL:
+                    # We killed it: it was still working past the deadline.
+                    logger.warning("math-verify worker stuck on %r past %.1fs; killed", extracted[:64], timeout_s)
+                    return RewardResult(0.0, "timeout", extracted, failed=True)
+                # It had died on its own (OOM killer, a signal): try once more on a fresh worker.
+                logger.warning("math-verify worker %d died (rc %s); replacing it", worker.process.pid,
+                               worker.process.returncode)
+            return RewardResult(0.0, "error", extracted, failed=True)
 
     def close(self) -> None:
         while True:
