@@ -1,0 +1,101 @@
+"""A tiny random HF checkpoint (Qwen2 by default, or Llama) with the char-level tokenizer.
+
+Used by tests (`tests/conftest.py::tiny_hf_dir`), by the built-in server, by conversion round trips and
+as the starting point of the tiny default's SFT warm start. Everything is built locally: no Hub access.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from megatron_bapo.tiny.tokenizer import build_tiny_tokenizer
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES: dict[str, tuple[type, type]] = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+}
+"""`architecture` override -> (HF config class, HF model class)."""
+
+DEFAULT_MODEL_KWARGS: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+    hidden_act="silu",
+)
+"""Defaults: GQA (4 query heads over 2 KV heads, head_dim 16) and tied embeddings, the two features
+of real Qwen2 checkpoints that conversion and the Megatron builder must get right."""
+
+ROPE_THETA = 10000.0
+
+
+def build_tiny_model(tokenizer, *, seed: int = 0, architecture: str = "qwen2", **overrides: Any) -> torch.nn.Module:
+    """A randomly initialised fp32 causal LM sized by `DEFAULT_MODEL_KWARGS` updated with `overrides`.
+
+    `vocab_size` defaults to `len(tokenizer)`; eos/pad/bos ids come from the tokenizer.
+    Overrides are HF config fields (e.g. `hidden_size=128, num_hidden_layers=4`).
+    """
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}, got {architecture!r}")
+    config_cls, model_cls = ARCHITECTURES[architecture]
+    kwargs = dict(DEFAULT_MODEL_KWARGS)
+    kwargs.update(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+    )
+    kwargs.update(overrides)
+    if kwargs["vocab_size"] < len(tokenizer):
+        raise ValueError(f"vocab_size={kwargs['vocab_size']} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+    config = config_cls(**kwargs)
+    config.dtype = torch.float32
+    # Seed only our own generator state: save, seed, build, restore, so callers' RNG is untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        do_sample=False,
+    )
+    return model.to(torch.float32).eval()
+
+
+def make_tiny_hf_checkpoint(out_dir, *, seed: int = 0, **overrides: Any) -> pathlib.Path:
+    """Write a random tiny model + char-level tokenizer to `out_dir` (created) and return its path.
+
+    The directory loads offline with `AutoModelForCausalLM.from_pretrained` /
+    `AutoTokenizer.from_pretrained`: config.json, generation_config.json, model.safetensors (fp32),
+    tokenizer files and the chat template. Same seed and overrides -> identical weights.
+
+    Overrides: `architecture` ("qwen2" | "llama"), `pad_vocab_to_multiple_of` (tokenizer vocabulary
+    padding, default 64 -> 128 tokens), and any HF config field (`hidden_size`, `num_hidden_layers`,
+    `num_attention_heads`, `num_key_value_heads`, `intermediate_size`, `tie_word_embeddings`, ...).
+    """
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    architecture = overrides.pop("architecture", "qwen2")
+    tokenizer = build_tiny_tokenizer(pad_to_multiple_of=overrides.pop("pad_vocab_to_multiple_of", 64))
+    model = build_tiny_model(tokenizer, seed=seed, architecture=architecture, **overrides)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    logger.info(
+        "wrote tiny %s checkpoint (%d parameters, vocab %d) to %s",
+        architecture, sum(p.numel() for p in model.parameters()), model.config.vocab_size, out,
+    )
+    return out
