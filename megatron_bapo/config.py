@@ -40,6 +40,8 @@ class TrainerConfig:
     """Continue from the newest complete checkpoint in `output_dir` if there is one."""
     seed: int = 1
     """Seeds the prompt order and the rollout sampling seeds (the actor has `actor.seed`)."""
+    eval_at_start: bool = True
+    """Run the `eval` datasets once before the first step (the baseline at step 0), when eval is on."""
     progress: bool = True
     """tqdm progress bar on rank 0's console."""
     log_level: str = "INFO"

@@ -32,7 +32,13 @@ class MetricsWriter:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # purge_step drops events after a resumed step, so curves have no duplicated tail.
         self._tb = SummaryWriter(str(self.log_dir), purge_step=purge_step)
-        self._jsonl = open(self.log_dir / "metrics.jsonl", "a", encoding="utf-8")
+        path = self.log_dir / "metrics.jsonl"
+        if purge_step is not None and path.exists():
+            # A resumed run re-logs the steps after its checkpoint: drop the killed run's copies.
+            kept = [ln for ln in path.read_text(encoding="utf-8").splitlines()
+                    if ln.strip() and int(json.loads(ln)["step"]) < purge_step]
+            path.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+        self._jsonl = open(path, "a", encoding="utf-8")
 
     def log(self, step: int, scalars: Mapping[str, Any], histograms: Optional[Mapping[str, Any]] = None) -> None:
         if not self.enabled:
