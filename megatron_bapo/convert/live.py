@@ -1,0 +1,314 @@
+"""Live megatron-core model <-> HF weights: load an HF checkpoint into a (TP/PP-sharded) model,
+iterate the model as HF-named full tensors (weight sync), and save it as an HF directory.
+
+Layer indices: a model chunk names its layers `decoder.layers.<local j>`; the global index is
+`layer.layer_number - 1`, which megatron sets from the pipeline (and virtual pipeline) offset.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_bapo.convert.hf_io import HFCheckpointReader, HFShardWriter, copy_tokenizer_files, write_config
+from megatron_bapo.convert.mapping import ModelMapping, ShapeInfo, TensorRule, full_to_hf, get_mapping, hf_to_full, shard, unshard
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[int, Optional[int]]
+"""(rule position in the family's rule list, global layer index or None)."""
+
+
+def unwrap(chunk: Any):
+    """The `GPTModel` inside DDP / Float16Module wrappers."""
+    from megatron.core.models.gpt import GPTModel
+
+    m = chunk
+    while not isinstance(m, GPTModel):
+        if not hasattr(m, "module"):
+            raise TypeError(f"expected a megatron-core GPTModel (possibly wrapped), got {type(chunk).__name__}")
+        m = m.module
+    return m
+
+
+def _vocab_divisible_by(model) -> int:
+    """Recover the padding multiple the model was built with (its padded and HF vocab sizes)."""
+    args = getattr(model, "model_args", None)
+    if args is None:
+        return 128
+    padded, vocab = args.padded_vocab_size, args.vocab_size
+    for d in (128, 64, 256, 512, 1024, 32, 16, 8, 4, 2, 1):
+        if padded % d == 0 and padded - vocab < d:
+            return d
+    return 1
+
+
+def model_shape_info(model_chunks: Sequence[Any], hf_config: Any) -> ShapeInfo:
+    return ShapeInfo.from_hf_config(hf_config, vocab_divisible_by=_vocab_divisible_by(unwrap(model_chunks[0])))
+
+
+def named_model_tensors(model_chunks: Sequence[Any], mapping: ModelMapping) -> Iterator[tuple[str, Key, TensorRule, torch.nn.Parameter]]:
+    """(megatron name, key, rule, parameter) for every parameter of this rank's chunks.
+
+    Raises naming any parameter the family's mapping does not know.
+    """
+    positions = {id(r): k for k, r in enumerate(mapping.rules)}
+    for chunk in model_chunks:
+        model = unwrap(chunk)
+        layer_number = {j: int(layer.layer_number) - 1 for j, layer in enumerate(model.decoder.layers)} if hasattr(model, "decoder") else {}
+        for name, param in model.named_parameters():
+            hit = mapping.match_megatron(name)
+            if hit is None:
+                raise KeyError(f"megatron parameter {name!r} has no HF mapping in {mapping.architecture}")
+            rule, j = hit
+            layer = layer_number[j] if j is not None else None
+            yield name, (positions[id(rule)], layer), rule, param
+
+
+def _tp(tp_group) -> tuple[Any, int, int]:
+    from megatron.core import parallel_state as ps
+
+    group = tp_group if tp_group is not None else ps.get_tensor_model_parallel_group()
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def check_hf_names(mapping: ModelMapping, info: ShapeInfo, names: Sequence[str], source: str) -> None:
+    """Raise naming the missing and unexpected HF tensors (an lm_head next to tied embeddings is fine)."""
+    expected = set(mapping.expected_hf_names(info))
+    have = set(names)
+    missing = sorted(expected - have)
+    unexpected = sorted(
+        n for n in have - expected
+        if not mapping.is_ignored_hf(n) and not (info.tie_word_embeddings and n == mapping.tied_hf)
+    )
+    if missing or unexpected:
+        raise KeyError(
+            f"{source} does not match {mapping.architecture} with {info.num_layers} layers: "
+            f"missing tensors {missing[:20]}{' ...' if len(missing) > 20 else ''}, "
+            f"unexpected tensors {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
+        )
+
+
+@torch.no_grad()
+def load_hf_into_model(
+    model_chunks: Sequence[Any],
+    hf_dir: str | os.PathLike,
+    *,
+    hf_config: Any = None,
+    tp_group: Any = None,
+) -> int:
+    """Copy the weights of an HF safetensors checkpoint into this rank's model chunks.
+
+    No communication: every rank reads (memory-mapped, one tensor at a time) only the HF tensors its
+    TP/PP position needs and keeps its TP part. `hf_config` defaults to `<hf_dir>/config.json`; the
+    TP rank/size come from `tp_group` (default: megatron's parallel_state). Tied embeddings also fill
+    the last stage's `output_layer.weight` when PP > 1. Raises naming missing/unexpected tensors.
+
+    After loading into an Actor whose optimizer keeps separate main (fp32) params, call
+    `optimizer.reload_model_params()` so the optimizer sees the new weights.
+    Returns the number of parameters loaded on this rank.
+    """
+    hf_dir = Path(hf_dir)
+    if hf_config is None:
+        hf_config = json.loads((hf_dir / "config.json").read_text())
+    mapping = get_mapping(hf_config)
+    info = model_shape_info(model_chunks, hf_config)
+    _, tp_rank, tp_size = _tp(tp_group)
+    count = 0
+    with HFCheckpointReader(hf_dir) as reader:
+        check_hf_names(mapping, info, reader.names(), str(hf_dir))
+        for name, (_, layer), rule, param in named_model_tensors(model_chunks, mapping):
+            hf_names = mapping.hf_names(rule, layer)
+            if info.tie_word_embeddings and rule.megatron[0] == mapping.tied_megatron:
+                hf_names = ["model.embed_tokens.weight"]  # the last stage's copy of the tied embedding
+            full = hf_to_full(rule, [reader.get(n) for n in hf_names], info)
+            part = shard(rule, full, tp_rank, tp_size)
+            if tuple(part.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{name}: HF {hf_names} give shape {tuple(part.shape)} on TP rank {tp_rank}/{tp_size}, "
+                    f"the model has {tuple(param.shape)} (does the config match the checkpoint?)"
+                )
+            param.data.copy_(part.to(param.dtype))
+            count += 1
+    logger.info("loaded %d tensors from %s (TP rank %d/%d)", count, hf_dir, tp_rank, tp_size)
+    return count
+
+
+def _full_shape(rule: TensorRule, local: torch.Size, tp_size: int) -> list[int]:
+    shape = list(local)
+    if tp_size > 1 and rule.kind != "replicated":
+        dim = 1 if rule.kind == "row" and len(shape) > 1 else 0
+        shape[dim] *= tp_size
+    return shape
+
+
+@torch.no_grad()
+def iter_hf_tensors(
+    model_chunks: Sequence[Any],
+    hf_config: Any,
+    *,
+    bucket_bytes: int = 512 * 2**20,
+    dtype: Optional[torch.dtype] = None,
+    gather_to: str = "all",
+    tp_group: Any = None,
+    pp_group: Any = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield the live model's weights as HF-named full tensors, in buckets of <= `bucket_bytes`.
+
+    Collective: every rank of the model-parallel group (TP x PP) must iterate to the end, in step.
+    TP parts are all-gathered over `tp_group`; across pipeline stages `gather_to` decides who gets what:
+    "all" (broadcast: every rank yields every tensor), "first" (stage 0 yields every tensor, other
+    stages send theirs and yield nothing), "local" (each stage yields only its own tensors, e.g. for
+    per-stage NCCL weight sync). Order is HF order (embedding, layers, norm, head). Tensors are on the
+    parameters' device, cast to `dtype` when given. A tensor larger than `bucket_bytes` is alone in its bucket.
+    Different DP/CP replicas hold identical weights; run it on one replica or on all.
+    """
+    from megatron.core import parallel_state as ps
+
+    if gather_to not in ("all", "first", "local"):
+        raise ValueError(f"iter_hf_tensors: gather_to must be 'all', 'first' or 'local', got {gather_to!r}")
+    if bucket_bytes <= 0:
+        raise ValueError(f"iter_hf_tensors: bucket_bytes must be > 0, got {bucket_bytes}")
+    mapping = get_mapping(hf_config)
+    info = model_shape_info(model_chunks, hf_config)
+    tp_group, _, tp_size = _tp(tp_group)
+    pp_group = pp_group if pp_group is not None else ps.get_pipeline_model_parallel_group()
+    pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+
+    local: dict[Key, tuple[TensorRule, torch.nn.Parameter]] = {}
+    meta: dict[Key, tuple[list[int], torch.dtype]] = {}
+    for _, key, rule, param in named_model_tensors(model_chunks, mapping):
+        if info.tie_word_embeddings and rule.megatron[0] == mapping.tied_megatron:
+            continue  # the embedding (stage 0) is the HF tensor
+        local[key] = (rule, param)
+        meta[key] = (_full_shape(rule, param.shape, tp_size), dtype or param.dtype)
+    owners: dict[Key, int] = {k: pp_rank for k in local}
+    if pp_size > 1:
+        gathered: list = [None] * pp_size
+        dist.all_gather_object(gathered, {k: m for k, m in meta.items()}, group=pp_group)
+        for stage, stage_meta in enumerate(gathered):
+            for k, m in stage_meta.items():
+                owners.setdefault(k, stage)
+                meta.setdefault(k, m)
+    positions = {id(r): k for k, r in enumerate(mapping.rules)}
+    order = [(positions[id(r)], i) for r, i in mapping.rules_for(info)]
+    missing = [mapping.hf_names(mapping.rules[p], i) for p, i in order if (p, i) not in owners]
+    if missing:
+        raise KeyError(f"iter_hf_tensors: no pipeline stage holds the tensors for {missing[:10]}")
+
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for key in order:
+        rule = mapping.rules[key[0]]
+        names = mapping.hf_names(rule, key[1])
+        owner = owners[key]
+        tensors: Optional[list[torch.Tensor]] = None
+        if owner == pp_rank:
+            _, param = local[key]
+            data = param.detach().to(meta[key][1]).contiguous()
+            if tp_size > 1:
+                parts = [torch.empty_like(data) for _ in range(tp_size)]
+                dist.all_gather(parts, data, group=tp_group)
+            else:
+                parts = [data]
+            tensors = [t.contiguous() for t in full_to_hf(rule, unshard(rule, parts), info)]
+        if pp_size > 1 and gather_to != "local":
+            wants = gather_to == "all" or pp_rank == 0
+            if owner != pp_rank and (gather_to == "all" or (pp_rank == 0)):
+                full_shape, dt = meta[key]
+                shapes = [t.shape for t in full_to_hf(rule, torch.empty(full_shape, device="meta"), info)]
+                dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+                tensors = [torch.empty(s, dtype=dt, device=dev) for s in shapes]
+            src = dist.get_global_rank(pp_group, owner)
+            for t in tensors or []:
+                if gather_to == "all":
+                    dist.broadcast(t, src=src, group=pp_group)
+                elif owner != 0:
+                    if pp_rank == owner:
+                        dist.send(t, dst=dist.get_global_rank(pp_group, 0), group=pp_group)
+                    elif pp_rank == 0:
+                        dist.recv(t, src=src, group=pp_group)
+            if not wants:
+                tensors = None
+        for n, t in zip(names, tensors or []):
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((n, t))
+            size += nbytes
+    if bucket:
+        yield bucket
+
+
+def save_model_as_hf(
+    model_chunks: Sequence[Any],
+    hf_config: Any,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer_src: Optional[str | os.PathLike] = None,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = True,
+    group: Any = None,
+) -> Optional[Path]:
+    """Write the live model as an HF directory (sharded safetensors, index, config, tokenizer files).
+
+    Collective over `group` (default: all ranks). Only the first data/context-parallel replica
+    gathers (over its TP/PP groups); the rank with TP = PP = DP = CP rank 0 writes `<out_dir>.tmp`
+    and renames it to `out_dir` when complete (an existing `out_dir` is replaced when `overwrite`,
+    otherwise FileExistsError), so a reader never sees a partial directory.
+    `hf_config` (PretrainedConfig or dict) goes to config.json with `dtype`; `tokenizer_src` is an HF
+    directory whose tokenizer/generation files are copied. Returns the path on the writer, else None.
+    """
+    from megatron.core import parallel_state as ps
+
+    group = group if group is not None else dist.group.WORLD
+    out = Path(out_dir).absolute()
+    first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    writer_rank = first_replica and ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+    error: Optional[BaseException] = None
+    if writer_rank and out.exists() and not overwrite:
+        error = FileExistsError(f"{out} exists; pass overwrite=True to replace it")
+    flag = torch.tensor([1 if error else 0], dtype=torch.int32)
+    dist.all_reduce(flag, group=group)  # every rank learns about the failure instead of hanging
+    if int(flag.item()):
+        raise error or RuntimeError(f"save_model_as_hf: the writer rank refused to write {out}")
+    tmp = out.with_name(out.name + ".tmp")
+    written = None
+    if first_replica:
+        writer = None
+        if writer_rank:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            writer = HFShardWriter(tmp, max_shard_bytes=max_shard_bytes, dtype=dtype)
+        bucket_bytes = max(min(max_shard_bytes, 512 * 2**20), 1)
+        for bucket in iter_hf_tensors(model_chunks, hf_config, bucket_bytes=bucket_bytes, dtype=dtype, gather_to="first"):
+            if writer is not None:
+                writer.add_all(bucket)
+        if writer is not None:
+            writer.close()
+            if dtype is None:
+                dtype = next(unwrap(model_chunks[0]).parameters()).dtype
+            write_config(hf_config, tmp, dtype=dtype)
+            if tokenizer_src is not None:
+                copy_tokenizer_files(tokenizer_src, tmp)
+            old = out.with_name(out.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            if out.exists():
+                out.rename(old)
+            tmp.rename(out)
+            if old.exists():
+                shutil.rmtree(old)
+            written = out
+            logger.info("saved HF checkpoint to %s", out)
+    dist.barrier(group=group)
+    return written

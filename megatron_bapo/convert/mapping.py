@@ -1,0 +1,231 @@
+"""Declarative HF <-> megatron-core weight mapping: rules, tensor transforms, TP split/merge, registry.
+
+A model family is a `ModelMapping`: a list of `TensorRule`s, each naming one megatron-core tensor
+(with aliases for the local and the Transformer Engine layer spec), the HF tensor(s) it is made of,
+and a `kind` that says how the HF tensors fuse into it and how it splits across tensor-parallel ranks.
+
+"Full" megatron tensors below are always in the TP=1 layout:
+- `qkv`: rows grouped per query group g as [q heads of g; k_g; v_g] (megatron's GQA interleaving);
+  TP rank r holds the contiguous groups r*ng/tp .. (r+1)*ng/tp - 1, i.e. a plain dim-0 chunk.
+- `gate_up`: [gate; up] (SwiGLU linear_fc1); TP rank r holds [gate_r; up_r], NOT a dim-0 chunk.
+- `vocab`: rows padded with zeros from the HF `vocab_size` to the padded vocab size; dim-0 chunks.
+- `column` / `row`: dim-0 / dim-1 chunks; `replicated`: same on every TP rank.
+
+Families register by HF `architectures` name (`register_mapping`, `get_mapping`); there is no
+substring dispatch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+
+
+@dataclass(frozen=True)
+class ShapeInfo:
+    """The model dimensions the transforms need (from the HF config)."""
+
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+    num_layers: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, *, vocab_divisible_by: int = 128) -> "ShapeInfo":
+        from megatron_bapo.models.registry import model_args_from_hf
+
+        args = model_args_from_hf(hf_config, vocab_divisible_by=vocab_divisible_by)
+        ck = args.config_kwargs
+        return cls(
+            num_attention_heads=ck["num_attention_heads"],
+            num_query_groups=ck["num_query_groups"],
+            head_dim=ck["kv_channels"],
+            vocab_size=args.vocab_size,
+            padded_vocab_size=args.padded_vocab_size,
+            num_layers=ck["num_layers"],
+            tie_word_embeddings=bool(args.gpt_kwargs["share_embeddings_and_output_weights"]),
+        )
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One megatron-core tensor and the HF tensors it is made of.
+
+    Names may contain `{i}` (the global layer index). `megatron[0]` is the local-spec name; the
+    other entries are aliases (Transformer Engine spec fuses layernorms into the next linear).
+    """
+
+    megatron: tuple[str, ...]
+    hf: tuple[str, ...]
+    kind: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"TensorRule.kind must be one of {KINDS}, got {self.kind!r}")
+        want = 3 if self.kind == "qkv" else 2 if self.kind == "gate_up" else 1
+        if len(self.hf) != want:
+            raise ValueError(f"TensorRule({self.megatron[0]}): kind {self.kind!r} needs {want} HF tensors, got {self.hf}")
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.megatron[0]
+
+
+# --------------------------------------------------------------------------- transforms (full tensors)
+def _qkv_split_sizes(info: ShapeInfo) -> tuple[int, int]:
+    return info.num_attention_heads // info.num_query_groups * info.head_dim, info.head_dim
+
+
+def hf_to_full(rule: TensorRule, hf: Sequence[torch.Tensor], info: ShapeInfo) -> torch.Tensor:
+    """HF tensor(s) -> the full (TP=1 layout) megatron tensor of `rule`."""
+    if rule.kind == "qkv":
+        q, k, v = hf
+        ng = info.num_query_groups
+        rest = q.shape[1:]
+        qg, kg = _qkv_split_sizes(info)
+        parts = [q.reshape(ng, qg, *rest), k.reshape(ng, kg, *rest), v.reshape(ng, kg, *rest)]
+        return torch.cat(parts, dim=1).reshape(ng * (qg + 2 * kg), *rest)
+    if rule.kind == "gate_up":
+        return torch.cat(list(hf), dim=0)
+    (t,) = hf
+    if rule.kind == "vocab":
+        if t.shape[0] != info.vocab_size:
+            raise ValueError(f"{rule.hf[0]}: {t.shape[0]} rows, expected vocab_size={info.vocab_size}")
+        if info.padded_vocab_size > t.shape[0]:
+            pad = t.new_zeros((info.padded_vocab_size - t.shape[0], *t.shape[1:]))
+            t = torch.cat([t, pad], dim=0)
+    return t
+
+
+def full_to_hf(rule: TensorRule, full: torch.Tensor, info: ShapeInfo) -> list[torch.Tensor]:
+    """The full (TP=1 layout) megatron tensor of `rule` -> its HF tensor(s), in `rule.hf` order."""
+    if rule.kind == "qkv":
+        ng = info.num_query_groups
+        rest = full.shape[1:]
+        qg, kg = _qkv_split_sizes(info)
+        q, k, v = full.reshape(ng, qg + 2 * kg, *rest).split([qg, kg, kg], dim=1)
+        return [x.reshape(ng * x.shape[1], *rest) for x in (q, k, v)]
+    if rule.kind == "gate_up":
+        return list(full.chunk(2, dim=0))
+    if rule.kind == "vocab":
+        return [full[: info.vocab_size]]
+    return [full]
+
+
+def shard(rule: TensorRule, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s part of a full megatron tensor."""
+    if tp_size == 1 or rule.kind == "replicated":
+        return full
+    if rule.kind == "gate_up":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
+    dim = 1 if rule.kind == "row" and full.dim() > 1 else 0
+    if full.shape[dim] % tp_size:
+        raise ValueError(f"{rule.megatron[0]}: dim {dim} of shape {tuple(full.shape)} is not divisible by TP={tp_size}")
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def unshard(rule: TensorRule, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `shard`: the full megatron tensor from every TP rank's part (in TP-rank order)."""
+    if len(shards) == 1 or rule.kind == "replicated":
+        return shards[0]
+    if rule.kind == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    dim = 1 if rule.kind == "row" and shards[0].dim() > 1 else 0
+    return torch.cat(list(shards), dim=dim)
+
+
+# --------------------------------------------------------------------------- families
+@dataclass
+class ModelMapping:
+    """All tensors of one model family. `tied_hf` is the HF name dropped when embeddings are tied."""
+
+    architecture: str
+    rules: list[TensorRule]
+    tied_megatron: str = "output_layer.weight"
+    tied_hf: str = "lm_head.weight"
+    ignored_hf: tuple[str, ...] = (r".*\.rotary_emb\.inv_freq$",)
+    """Regexes of HF tensors that carry no weights (old checkpoints store RoPE buffers)."""
+    _index: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for rule in self.rules:
+            for name in rule.megatron:
+                pattern = re.escape(name).replace(re.escape("{i}"), r"(\d+)")
+                self._index[name] = (re.compile(pattern + "$"), rule)
+
+    def match_megatron(self, name: str) -> Optional[tuple[TensorRule, Optional[int]]]:
+        """(rule, layer index in `name` or None) for a megatron parameter name, or None."""
+        for pattern, rule in self._index.values():
+            m = pattern.match(name)
+            if m:
+                return rule, int(m.group(1)) if m.groups() else None
+        return None
+
+    def rules_for(self, info: ShapeInfo, *, include_bias: Callable[[TensorRule], bool] = lambda r: True) -> Iterator[tuple[TensorRule, Optional[int]]]:
+        """Every (rule, layer) of the whole model in HF order (embedding, layers, norm, head)."""
+        glob = [r for r in self.rules if not r.per_layer]
+        layer = [r for r in self.rules if r.per_layer]
+        head = [r for r in glob if r.megatron[0] != "embedding.word_embeddings.weight"]
+        emb = [r for r in glob if r.megatron[0] == "embedding.word_embeddings.weight"]
+        for r in emb:
+            yield r, None
+        for i in range(info.num_layers):
+            for r in layer:
+                yield r, i
+        for r in head:
+            if info.tie_word_embeddings and r.megatron[0] == self.tied_megatron:
+                continue
+            yield r, None
+
+    def hf_names(self, rule: TensorRule, layer: Optional[int]) -> list[str]:
+        return [n.format(i=layer) if layer is not None else n for n in rule.hf]
+
+    def expected_hf_names(self, info: ShapeInfo) -> list[str]:
+        return [n for r, i in self.rules_for(info) for n in self.hf_names(r, i)]
+
+    def is_ignored_hf(self, name: str) -> bool:
+        return any(re.match(p, name) for p in self.ignored_hf)
+
+
+_MAPPINGS: dict[str, ModelMapping] = {}
+
+
+def register_mapping(mapping: ModelMapping) -> ModelMapping:
+    if mapping.architecture in _MAPPINGS:
+        raise ValueError(f"a weight mapping for {mapping.architecture!r} is already registered")
+    _MAPPINGS[mapping.architecture] = mapping
+    return mapping
+
+
+def supported_architectures() -> list[str]:
+    _load_families()
+    return sorted(_MAPPINGS)
+
+
+def get_mapping(hf_config: Any) -> ModelMapping:
+    """The weight mapping for an HF config (PretrainedConfig or dict); errors list the supported ones."""
+    from megatron_bapo.models.registry import _architecture
+
+    _load_families()
+    arch = _architecture(hf_config)
+    if arch not in _MAPPINGS:
+        raise ValueError(f"no weight mapping for architecture {arch!r}; supported: {sorted(_MAPPINGS)}")
+    return _MAPPINGS[arch]
+
+
+def _load_families() -> None:
+    from megatron_bapo.convert import families  # noqa: F401  (registers on import)
+
+
+def as_dict(hf_config: Any) -> Mapping:
+    return hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
