@@ -1,0 +1,77 @@
+"""Padded actor batch tensors from finished samples.
+
+Everything is ALIGNED TO THE TOKEN: the value at `[b, t]` concerns token `input_ids[b, t]` (its
+behavior log-prob is log p(input_ids[b, t] | input_ids[b, :t])), rows are right-padded, and
+`loss_mask` is 1 exactly on response tokens. This is the layout `Actor.train_step` takes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_bapo.rollout.types import Sample
+
+
+def build_batch(
+    samples: Sequence[Sample],
+    *,
+    pad_token_id: int = 0,
+    advantages: Optional[Sequence[float] | torch.Tensor] = None,
+    rewards: Optional[Sequence[float] | torch.Tensor] = None,
+    pad_to_multiple_of: int = 1,
+) -> dict[str, torch.Tensor]:
+    """Batch of `B = len(samples)` rows, `T` = longest prompt+response (rounded up to the multiple).
+
+    Returns CPU tensors `[B, T]`:
+      input_ids (long; pad_token_id on padding), attention_mask (long; 1 on prompt+response),
+      loss_mask (float32; 1 on response tokens), behavior_logprobs (float32; 0 off the response),
+      versions (long; policy version of each response token, -1 elsewhere),
+      advantages (float32; the sample's scalar advantage on its response tokens, 0 elsewhere),
+      only when `advantages` (one value per sample) is given;
+    and `[B]`: prompt_lengths, response_lengths (long), rewards (float32, when given).
+    """
+    if not samples:
+        raise ValueError("build_batch: no samples")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"build_batch: pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+    for i, s in enumerate(samples):
+        n = len(s.response_ids)
+        if len(s.response_logprobs) != n or len(s.response_versions) != n:
+            raise ValueError(f"sample {i}: {n} response ids but {len(s.response_logprobs)} log-probs and "
+                             f"{len(s.response_versions)} versions")
+    batch_size = len(samples)
+    length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    input_ids = torch.full((batch_size, length), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros((batch_size, length), dtype=torch.long)
+    loss_mask = torch.zeros((batch_size, length), dtype=torch.float32)
+    logprobs = torch.zeros((batch_size, length), dtype=torch.float32)
+    versions = torch.full((batch_size, length), -1, dtype=torch.long)
+    prompt_lengths = torch.zeros(batch_size, dtype=torch.long)
+    response_lengths = torch.zeros(batch_size, dtype=torch.long)
+    for b, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[b, :p] = torch.tensor(s.prompt_ids, dtype=torch.long)
+        if r:
+            input_ids[b, p:p + r] = torch.tensor(s.response_ids, dtype=torch.long)
+            logprobs[b, p:p + r] = torch.tensor(s.response_logprobs, dtype=torch.float32)
+            versions[b, p:p + r] = torch.tensor(s.response_versions, dtype=torch.long)
+            loss_mask[b, p:p + r] = 1.0
+        attention_mask[b, :p + r] = 1
+        prompt_lengths[b], response_lengths[b] = p, r
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+           "behavior_logprobs": logprobs, "versions": versions, "prompt_lengths": prompt_lengths,
+           "response_lengths": response_lengths}
+    if advantages is not None:
+        adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
+        if adv.numel() != batch_size:
+            raise ValueError(f"build_batch: {adv.numel()} advantages for {batch_size} samples (one per sample)")
+        out["advantages"] = adv[:, None] * loss_mask
+    if rewards is not None:
+        rew = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)
+        if rew.numel() != batch_size:
+            raise ValueError(f"build_batch: {rew.numel()} rewards for {batch_size} samples (one per sample)")
+        out["rewards"] = rew
+    return out

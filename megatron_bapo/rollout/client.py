@@ -1,0 +1,225 @@
+"""Async HTTP client for a pool of SGLang servers (or an sglang-router), with a sync facade.
+
+Why this shape:
+- One `/generate` per sample (as slime does): SGLang's `n` fan-out replaces request ids, which
+  would make them unreachable by `/abort_request`.
+- Request ids are fixed-length uuid hex: the scheduler aborts every rid that STARTS WITH the
+  given one, so variable-length ids could abort their neighbours.
+- All requests go out at once up to `max_concurrency` (one semaphore over the pool) and each
+  goes to the healthy server with the fewest requests in flight, so a slow server or a slow
+  request never holds back the others.
+- A request that fails (connection error, timeout, 5xx, malformed reply) is retried with
+  exponential backoff on another server; the failing server gets no new work for
+  `unhealthy_cooldown_s`. A 4xx is the request's own fault and is not retried.
+- The trainer is synchronous: `run(coro)` executes coroutines on one background event loop, and
+  every control call has a plain method (`update_weights_from_disk`) next to its coroutine
+  (`aupdate_weights_from_disk`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+import uuid
+import weakref
+from typing import Any, Awaitable, Optional, Sequence, TypeVar
+
+import aiohttp
+
+from megatron_bapo.rollout.config import SAMPLING_KEYS, RolloutClientConfig
+from megatron_bapo.rollout.control import ControlMixin
+from megatron_bapo.rollout.errors import ProtocolError, RequestRejected, RolloutError
+from megatron_bapo.rollout.protocol import aborted_result, parse_generate_reply
+from megatron_bapo.rollout.types import GenerateResult
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+# Statuses worth retrying elsewhere even though they are 4xx: timeouts and rate limits.
+_RETRYABLE_4XX = frozenset({408, 429})
+
+
+class _LoopThread:
+    """A daemon thread running one asyncio event loop, for the synchronous API."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-client-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
+        if threading.current_thread() is self.thread:
+            raise RuntimeError("RolloutClient.run() called from its own event loop; await the coroutine instead")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class RolloutClient(ControlMixin):
+    """`await client.agenerate(ids, params)` in a loop, or sync control calls from the trainer.
+
+    Use as a context manager or call `close()`; `async` users in their own loop call `aclose()`.
+    """
+
+    def __init__(self, config: RolloutClientConfig) -> None:
+        self.config = config
+        self._per_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple]" = weakref.WeakKeyDictionary()
+        self._background: Optional[_LoopThread] = None
+        self._unhealthy_until: dict[str, float] = {u: 0.0 for u in config.urls}
+        self._in_flight: dict[str, int] = {u: 0 for u in config.urls}
+        self._rid_url: dict[str, str] = {}
+        self._abort_epoch = 0
+        self._workers: Optional[list[str]] = list(config.urls) or None
+        self.stats: dict[str, int] = {"num_requests": 0, "num_retries": 0, "num_rejected": 0,
+                                      "num_aborted_before_send": 0}
+
+    # ------------------------------------------------------------------ plumbing
+    def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
+        """Run a coroutine on the client's background loop and return its result (sync API)."""
+        if self._background is None:
+            self._background = _LoopThread()
+        return self._background.run(coro, timeout)
+
+    def _session(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
+        """The session and concurrency semaphore of the running loop (aiohttp objects are per loop)."""
+        loop = asyncio.get_running_loop()
+        state = self._per_loop.get(loop)
+        if state is None or state[0].closed:
+            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
+            # limit=0: the semaphore caps concurrency; the pool must not queue requests behind it.
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
+            state = (session, asyncio.Semaphore(self.config.max_concurrency))
+            self._per_loop[loop] = state
+        return state
+
+    async def aclose(self) -> None:
+        loop = asyncio.get_running_loop()
+        state = self._per_loop.pop(loop, None)
+        if state is not None:
+            await state[0].close()
+
+    def close(self) -> None:
+        if self._background is not None:
+            self.run(self.aclose())
+            self._background.stop()
+            self._background = None
+
+    def __enter__(self) -> "RolloutClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ server choice
+    def _pick_url(self, avoid: Optional[str] = None) -> str:
+        """Router if configured; else the healthy worker with the fewest requests in flight."""
+        if self.config.router_url:
+            return self.config.router_url
+        now = time.monotonic()
+        urls = self.config.urls
+        healthy = [u for u in urls if self._unhealthy_until[u] <= now]
+        if avoid is not None and len(healthy) > 1:
+            healthy = [u for u in healthy if u != avoid] or healthy
+        if not healthy:  # every server failed recently: try the one that failed longest ago
+            return min(urls, key=lambda u: self._unhealthy_until[u])
+        return min(healthy, key=lambda u: (self._in_flight[u], random.random()))
+
+    def _mark_unhealthy(self, url: str, reason: str) -> None:
+        if url in self._unhealthy_until:
+            self._unhealthy_until[url] = time.monotonic() + self.config.unhealthy_cooldown_s
+            logger.warning("rollout server %s marked unhealthy for %.0f s: %s", url,
+                           self.config.unhealthy_cooldown_s, reason)
+
+    def healthy_urls(self) -> list[str]:
+        now = time.monotonic()
+        return [u for u in self.config.urls if self._unhealthy_until[u] <= now]
+
+    # ------------------------------------------------------------------ generation
+    async def agenerate(self, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> GenerateResult:
+        """One `/generate` with `return_logprob`; retried and failed over until it succeeds.
+
+        Returns the parsed segment (ids, behavior log-probs, per-token versions, finish type).
+        A request still waiting for a slot when `abort_all` is called is not sent and comes back
+        as an abort with no tokens. Raises RequestRejected on a 4xx, RolloutError when every
+        retry failed.
+        """
+        bad = sorted(set(sampling_params) - SAMPLING_KEYS)
+        if bad:
+            raise ValueError(f"sampling_params has unknown key(s) {bad}; allowed: {sorted(SAMPLING_KEYS)}")
+        if not input_ids:
+            raise ValueError("agenerate: input_ids is empty")
+        session, semaphore = self._session()
+        epoch = self._abort_epoch
+        payload: dict[str, Any] = {"input_ids": [int(x) for x in input_ids], "sampling_params": dict(sampling_params),
+                                   "return_logprob": True}
+        last_url: Optional[str] = None
+        last_error: Optional[BaseException] = None
+        async with semaphore:
+            for attempt in range(self.config.max_retries + 1):
+                if epoch != self._abort_epoch:
+                    self.stats["num_aborted_before_send"] += 1
+                    return aborted_result(uuid.uuid4().hex, last_url or "")
+                if attempt:
+                    self.stats["num_retries"] += 1
+                    delay = min(self.config.backoff_s * 2 ** (attempt - 1), self.config.backoff_max_s)
+                    await asyncio.sleep(delay * (0.75 + 0.5 * random.random()))
+                url = self._pick_url(avoid=last_url)
+                last_url = url
+                rid = uuid.uuid4().hex  # fresh per attempt: a retry must not collide with an in-flight id
+                try:
+                    return await self._post_generate(session, url, rid, payload)
+                except RequestRejected:
+                    self.stats["num_rejected"] += 1
+                    raise
+                except (aiohttp.ClientError, asyncio.TimeoutError, ProtocolError, OSError) as exc:
+                    last_error = exc
+                    self._mark_unhealthy(url, repr(exc))
+                    logger.warning("generate on %s failed (attempt %d/%d): %r", url, attempt + 1,
+                                   self.config.max_retries + 1, exc)
+                    if isinstance(exc, asyncio.TimeoutError):
+                        asyncio.ensure_future(self._abort_quietly(url, rid))
+        raise RolloutError(f"/generate failed after {self.config.max_retries + 1} attempts "
+                           f"(servers {self.config.urls or [self.config.router_url]}): {last_error!r}")
+
+    async def _post_generate(self, session: aiohttp.ClientSession, url: str, rid: str, payload: dict) -> GenerateResult:
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
+        self.stats["num_requests"] += 1
+        if url in self._in_flight:
+            self._in_flight[url] += 1
+        self._rid_url[rid] = url
+        try:
+            async with session.post(f"{url}/generate", json={**payload, "rid": rid}, timeout=timeout) as resp:
+                text = await resp.text()
+                if resp.status == 200:
+                    try:
+                        body = await resp.json(content_type=None)
+                    except ValueError as exc:
+                        raise ProtocolError(f"{url}/generate replied 200 with non-JSON {text[:200]!r}") from exc
+                    return parse_generate_reply(body, rid=rid, url=url)
+                if 400 <= resp.status < 500 and resp.status not in _RETRYABLE_4XX:
+                    raise RequestRejected(resp.status, f"{url}/generate rejected the request ({resp.status}): {text[:500]}")
+                raise ProtocolError(f"{url}/generate returned {resp.status}: {text[:300]}")
+        finally:
+            self._rid_url.pop(rid, None)
+            if url in self._in_flight:
+                self._in_flight[url] -= 1
+
+    async def _abort_quietly(self, url: str, rid: str) -> None:
+        try:
+            session, _ = self._session()
+            async with session.post(f"{url}/abort_request", json={"rid": rid, "abort_all": False},
+                                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            pass
+
+    def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> GenerateResult:
+        """Sync `agenerate` (one request; use the partial-rollout manager for many)."""
+        return self.run(self.agenerate(input_ids, sampling_params))
+

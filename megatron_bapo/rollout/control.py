@@ -1,0 +1,211 @@
+"""Control calls of the rollout client: sent to EACH worker, never through the router.
+
+The router forwards neither `/abort_request` nor pause/continue nor weight updates (spec section
+15), so with only a router configured the workers are listed from it first. Every call has a
+coroutine (`a*`) and a plain method running it on the client's background loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Optional
+
+import aiohttp
+
+from megatron_bapo.rollout.errors import RolloutError
+from megatron_bapo.rollout.protocol import parse_version
+
+logger = logging.getLogger(__name__)
+
+
+class ControlMixin:
+    """Needs `config`, `_session()`, `run()`, `_abort_epoch`, `_rid_url`, `_workers` (RolloutClient)."""
+
+    # ------------------------------------------------------------------ helpers
+    async def _request(self, method: str, url: str, path: str, body: Optional[dict] = None,
+                       timeout: Optional[float] = None) -> tuple[int, str]:
+        session, _ = self._session()
+        t = aiohttp.ClientTimeout(total=timeout or self.config.control_timeout_s, sock_connect=self.config.connect_timeout_s)
+        async with session.request(method, f"{url}{path}", json=body, timeout=t) as resp:
+            return resp.status, await resp.text()
+
+    async def aworker_urls(self) -> list[str]:
+        """Worker URLs for control calls: `urls`, or the router's worker list."""
+        if self._workers:
+            return list(self._workers)
+        router = self.config.router_url
+        session, _ = self._session()
+        for path in ("/workers", "/list_workers"):
+            try:
+                async with session.get(f"{router}{path}", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                    if resp.status != 200:
+                        continue
+                    data = await resp.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                continue
+            urls = [w["url"] for w in data.get("workers", [])] if "workers" in data else list(data.get("urls", []))
+            if urls:
+                self._workers = [u.rstrip("/") for u in urls]
+                return list(self._workers)
+        raise RolloutError(f"could not list workers from router {router} (GET /workers and /list_workers); "
+                           "set RolloutClientConfig.urls to the worker URLs")
+
+    async def _each(self, coro_fn, *, skip_unhealthy: bool = False) -> dict[str, Any]:
+        urls = await self.aworker_urls()
+        if skip_unhealthy:
+            healthy = set(self.healthy_urls()) if self.config.urls else set(urls)
+            urls = [u for u in urls if u in healthy]
+        results = await asyncio.gather(*(coro_fn(u) for u in urls), return_exceptions=True)
+        return dict(zip(urls, results))
+
+    # ------------------------------------------------------------------ abort
+    async def aabort_all(self) -> None:
+        """`abort_all` to every worker; requests still waiting for a client slot are not sent.
+
+        Fire-and-forget on the server side: in-flight `/generate` calls return later with
+        finish_reason abort and their partial tokens.
+        """
+        self._abort_epoch += 1
+        out = await self._each(lambda u: self._request("POST", u, "/abort_request", {"rid": "", "abort_all": True}, 30))
+        for url, res in out.items():
+            if isinstance(res, BaseException):
+                logger.warning("abort_all on %s failed: %r", url, res)
+
+    def abort_all(self) -> None:
+        """Sync `aabort_all`; safe to call from another thread while a rollout step runs."""
+        if self._background is None:
+            self._abort_epoch += 1
+            return
+        self.run(self.aabort_all())
+
+    async def aabort_request(self, rid: str) -> None:
+        """Abort one in-flight request on the worker it was sent to (every worker via a router)."""
+        url = self._rid_url.get(rid)
+        urls = [url] if url and url != self.config.router_url else await self.aworker_urls()
+        await asyncio.gather(*(self._request("POST", u, "/abort_request", {"rid": rid, "abort_all": False}, 30)
+                               for u in urls), return_exceptions=True)
+
+    # ------------------------------------------------------------------ cache, weights, versions
+    async def aflush_cache(self) -> None:
+        """`/flush_cache` on every worker, polled 1 s apart until 200 (it fails while busy)."""
+        async def one(url: str) -> None:
+            deadline = time.monotonic() + self.config.flush_cache_timeout_s
+            while True:
+                try:
+                    status, text = await self._request("POST", url, "/flush_cache", None, 30)
+                    if status == 200:
+                        return
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    text = repr(exc)
+                if time.monotonic() > deadline:
+                    raise RolloutError(f"{url}/flush_cache did not succeed within "
+                                       f"{self.config.flush_cache_timeout_s} s: {text[:200]}")
+                await asyncio.sleep(1.0)
+        _raise_failures("flush_cache", await self._each(one))
+
+    def flush_cache(self) -> None:
+        self.run(self.aflush_cache())
+
+    async def aupdate_weights_from_disk(self, model_path: str, weight_version: int, *,
+                                        abort_all_requests: bool = False) -> None:
+        """Every worker loads the HF checkpoint at `model_path` and reports `weight_version`.
+
+        Raises RolloutError naming each worker that failed (unreachable, 400, success false): a
+        worker left on old weights would silently serve a different policy.
+        """
+        body = {"model_path": str(model_path), "weight_version": str(int(weight_version)),
+                "abort_all_requests": abort_all_requests}
+
+        async def one(url: str) -> None:
+            status, text = await self._request("POST", url, "/update_weights_from_disk", body)
+            ok = False
+            if status == 200:
+                try:
+                    ok = bool(json.loads(text).get("success", False))
+                except ValueError:
+                    ok = False
+            if not ok:
+                raise RolloutError(f"{url}/update_weights_from_disk({model_path!r}) failed ({status}): {text[:300]}")
+        _raise_failures("update_weights_from_disk", await self._each(one))
+
+    def update_weights_from_disk(self, model_path: str, weight_version: int, *, abort_all_requests: bool = False) -> None:
+        self.run(self.aupdate_weights_from_disk(model_path, weight_version, abort_all_requests=abort_all_requests))
+
+    async def aget_weight_versions(self) -> dict[str, str]:
+        """`weight_version` of each worker (strings, as on the wire) from `/get_model_info`."""
+        async def one(url: str) -> str:
+            status, text = await self._request("GET", url, "/get_model_info", None, 30)
+            if status != 200:
+                raise RolloutError(f"{url}/get_model_info returned {status}: {text[:200]}")
+            return str(json.loads(text).get("weight_version"))
+        out = await self._each(one)
+        _raise_failures("get_model_info", out)
+        return out
+
+    def get_weight_version(self) -> Optional[int]:
+        """The workers' common weight version as an int (None for "default"); raises if they differ."""
+        versions = self.run(self.aget_weight_versions())
+        distinct = set(versions.values())
+        if len(distinct) != 1:
+            raise RolloutError(f"workers disagree on weight_version: {versions}")
+        return parse_version(distinct.pop())
+
+    # ------------------------------------------------------------------ pause, health
+    async def apause_generation(self, mode: Optional[str] = None) -> None:
+        """`/pause_generation` on every worker (`mode` "abort"/"retract"/"in_place" on SGLang >= 0.5.15)."""
+        body = {} if mode is None else {"mode": mode}
+        _raise_failures("pause_generation", await self._each(lambda u: self._expect_200(u, "/pause_generation", body)))
+
+    def pause_generation(self, mode: Optional[str] = None) -> None:
+        self.run(self.apause_generation(mode))
+
+    async def acontinue_generation(self) -> None:
+        _raise_failures("continue_generation", await self._each(lambda u: self._expect_200(u, "/continue_generation", {})))
+
+    def continue_generation(self) -> None:
+        self.run(self.acontinue_generation())
+
+    async def _expect_200(self, url: str, path: str, body: dict) -> None:
+        status, text = await self._request("POST", url, path, body)
+        if status != 200:
+            raise RolloutError(f"{url}{path} returned {status}: {text[:200]}")
+
+    async def await_healthy(self, timeout_s: Optional[float] = None) -> None:
+        """Poll `/health_generate` on every worker (and `/health` on the router) until 200."""
+        timeout_s = self.config.health_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+
+        async def one(url: str, path: str) -> None:
+            last = ""
+            while time.monotonic() < deadline:
+                try:
+                    status, last = await self._request("GET", url, path, None, 30)
+                    if status == 200:
+                        if url in self._unhealthy_until:
+                            self._unhealthy_until[url] = 0.0
+                        return
+                    last = f"{status} {last[:100]}"
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                    last = repr(exc)
+                await asyncio.sleep(0.5)
+            raise RolloutError(f"{url}{path} not healthy after {timeout_s} s: {last}")
+        tasks = [one(u, "/health_generate") for u in self.config.urls]
+        if self.config.router_url:
+            tasks.append(one(self.config.router_url, "/health"))
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise RolloutError("; ".join(str(e) for e in errors))
+
+    def wait_healthy(self, timeout_s: Optional[float] = None) -> None:
+        self.run(self.await_healthy(timeout_s))
+
+
+def _raise_failures(what: str, results: dict[str, Any]) -> None:
+    errors = {u: r for u, r in results.items() if isinstance(r, BaseException)}
+    if errors:
+        detail = "; ".join(f"{u}: {e}" for u, e in errors.items())
+        raise RolloutError(f"{what} failed on {len(errors)}/{len(results)} worker(s): {detail}")

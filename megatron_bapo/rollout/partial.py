@@ -1,0 +1,193 @@
+"""Group sampling with partial rollout (design section 3, step 3; spec section 14).
+
+Each `step(prompts, version)` call:
+1. opens a group of G pending samples per new prompt (appended to the buffer);
+2. for every unfinished sample in the buffer, sends ONE segment: `input_ids = prompt + response so
+   far`, `max_new_tokens = min(segment_tokens, max_response_tokens - generated)`. A buffered
+   sample whose oldest token is more than `max_staleness` versions behind `version` is first reset
+   and regenerated from scratch (counted), so a response never silently mixes far-apart policies;
+3. records each segment's tokens with their behavior log-probs and versions, and sets the state:
+   stop -> completed; length at max_response_tokens (or clipped by the context) -> truncated;
+   length below it -> partial; abort -> aborted (kept, resumed next step); 4xx -> failed;
+4. returns the groups whose G samples are all finished, oldest first; the rest stay buffered.
+Groups with a failed sample are dropped and counted (GRPO needs whole groups).
+
+A segment whose request failed on every server leaves its sample as it was (nothing lost) and the
+step raises RolloutError after recording the segments that did succeed. `state_dict()` is
+JSON-safe and restores the buffer exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, Sequence
+
+from megatron_bapo.rollout.client import RolloutClient
+from megatron_bapo.rollout.config import PartialRolloutConfig
+from megatron_bapo.rollout.errors import RequestRejected, RolloutError
+from megatron_bapo.rollout.types import GenerateResult, Prompt, RolloutGroup, Sample, SampleState
+
+logger = logging.getLogger(__name__)
+STATE_FORMAT = 1
+_COUNTERS = ("num_groups_started", "num_groups_finished", "num_groups_failed", "num_segments",
+             "num_regenerated", "num_aborted_segments", "num_tokens_generated")
+
+
+class PartialRolloutManager:
+    """Owns the partial-rollout buffer; the trainer calls `step` once per RL step."""
+
+    def __init__(self, client: RolloutClient, config: PartialRolloutConfig) -> None:
+        self.client = client
+        self.config = config
+        self.buffer: list[RolloutGroup] = []
+        self.totals: dict[str, int] = {k: 0 for k in _COUNTERS}
+        self.last_metrics: dict[str, float] = {}
+        self._warned_version = False
+
+    # ------------------------------------------------------------------ stepping
+    def step(self, prompts: Sequence[Prompt], version: int) -> list[RolloutGroup]:
+        """Sync `astep` on the client's background loop."""
+        return self.client.run(self.astep(prompts, version))
+
+    async def astep(self, prompts: Sequence[Prompt], version: int) -> list[RolloutGroup]:
+        """Start groups for `prompts`, advance every buffered sample by one segment, return the
+        groups that are now complete (all G samples completed or truncated), oldest first.
+
+        `version` is the policy version the servers are serving now (int); it is used for the
+        staleness cap and for tokens whose reply carried no integer weight_version.
+        """
+        started = time.monotonic()
+        step = {k: 0 for k in _COUNTERS}
+        for p in prompts:
+            if not p.prompt_ids:
+                raise ValueError(f"prompt {p.index} has no token ids")
+            g = self.config.group_size
+            self.buffer.append(RolloutGroup(group_id=uuid.uuid4().hex, prompt=p, start_version=int(version),
+                                            samples=[Sample(prompt_ids=list(p.prompt_ids)) for _ in range(g)]))
+        step["num_groups_started"] = len(prompts)
+
+        jobs: list[Sample] = []
+        for group in self.buffer:
+            for s in group.samples:
+                if not s.state.resumable:
+                    continue
+                if self._too_stale(s, version):
+                    s.reset()
+                    s.num_regenerations += 1
+                    step["num_regenerated"] += 1
+                if len(s.response_ids) >= self.config.max_response_tokens:
+                    s.state = SampleState.TRUNCATED
+                    continue
+                jobs.append(s)
+
+        results = await asyncio.gather(*(self._segment(s) for s in jobs), return_exceptions=True)
+        errors: list[BaseException] = []
+        for s, res in zip(jobs, results):
+            if isinstance(res, RequestRejected):
+                s.state, s.error = SampleState.FAILED, str(res)
+                logger.warning("rollout request rejected, its group is dropped: %s", res)
+            elif isinstance(res, BaseException):
+                errors.append(res)  # the sample keeps its previous state and is retried next step
+            else:
+                self._apply(s, res, version, step)
+
+        finished, failed, kept = [], [], []
+        for group in self.buffer:
+            (failed if group.failed else finished if group.finished else kept).append(group)
+        # On error the finished groups stay buffered too: the next step returns them, none is lost.
+        self.buffer = [g for g in self.buffer if not g.failed] if errors else kept
+        if errors:
+            finished = []
+        step["num_groups_finished"], step["num_groups_failed"] = len(finished), len(failed)
+        for k, v in step.items():
+            self.totals[k] += v
+        self.last_metrics = self._metrics(step, finished, time.monotonic() - started)
+        if errors:
+            if any(isinstance(e, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)) for e in errors):
+                raise errors[0]
+            raise RolloutError(f"{len(errors)} rollout segment(s) failed on every server; every group stays "
+                               f"buffered for the next step: {errors[0]!r}") from errors[0]
+        return finished
+
+    def _too_stale(self, s: Sample, version: int) -> bool:
+        cap = self.config.max_staleness
+        return cap is not None and bool(s.response_versions) and int(version) - min(s.response_versions) > cap
+
+    async def _segment(self, s: Sample) -> GenerateResult:
+        budget = min(self.config.segment_budget, self.config.max_response_tokens - len(s.response_ids))
+        params = {**self.config.sampling.to_params(), "max_new_tokens": budget}
+        return await self.client.agenerate(s.prompt_ids + s.response_ids, params)
+
+    def _apply(self, s: Sample, res: GenerateResult, version: int, step: dict[str, int]) -> None:
+        requested = min(self.config.segment_budget, self.config.max_response_tokens - len(s.response_ids))
+        if any(v is None for v in res.versions) and not self._warned_version:
+            logger.warning("server %s reports a non-integer weight_version; tokens are labelled with the "
+                           "trainer's version %d (call update_weights_from_disk with an int version first)",
+                           res.url, version)
+            self._warned_version = True
+        s.response_ids.extend(res.output_ids)
+        s.response_logprobs.extend(res.logprobs)
+        s.response_versions.extend(int(version) if v is None else v for v in res.versions)
+        s.finish_reason = res.finish_reason
+        s.num_segments += 1
+        step["num_segments"] += 1
+        step["num_tokens_generated"] += len(res.output_ids)
+        if res.finish_type == "stop":
+            s.state = SampleState.COMPLETED
+        elif res.finish_type == "abort":
+            s.state = SampleState.ABORTED
+            step["num_aborted_segments"] += 1
+        elif len(s.response_ids) >= self.config.max_response_tokens or len(res.output_ids) < requested:
+            # Fewer tokens than asked with "length" means the server clipped to its context: no room left.
+            s.state = SampleState.TRUNCATED
+        else:
+            s.state = SampleState.PARTIAL
+
+    def abort(self) -> None:
+        """Abort the running step from another thread: in-flight segments come back aborted
+        (tokens kept, resumed next step) and queued ones are not sent."""
+        self.client.abort_all()
+
+    # ------------------------------------------------------------------ metrics, checkpoints
+    @property
+    def num_buffered_groups(self) -> int:
+        return len(self.buffer)
+
+    def _metrics(self, step: dict[str, int], finished: list[RolloutGroup], seconds: float) -> dict[str, float]:
+        samples = [s for g in finished for s in g.samples]
+        out = {f"rollout/{k}": float(v) for k, v in step.items()}
+        out["rollout/buffer_groups"] = float(len(self.buffer))
+        out["rollout/buffer_samples_partial"] = float(sum(
+            1 for g in self.buffer for s in g.samples if s.state in (SampleState.PARTIAL, SampleState.ABORTED)))
+        out["rollout/step_s"] = seconds
+        out["rollout/tokens_per_s"] = step["num_tokens_generated"] / seconds if seconds > 0 else 0.0
+        if samples:
+            lengths = [s.response_length for s in samples]
+            out["rollout/response_len_mean"] = sum(lengths) / len(lengths)
+            out["rollout/response_len_max"] = float(max(lengths))
+            out["rollout/frac_truncated"] = sum(s.state is SampleState.TRUNCATED for s in samples) / len(samples)
+            out["rollout/segments_per_sample"] = sum(s.num_segments for s in samples) / len(samples)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe buffer and counters (part of the trainer checkpoint)."""
+        return {"format": STATE_FORMAT, "groups": [g.to_dict() for g in self.buffer], "totals": dict(self.totals)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"partial-rollout state format {state.get('format')!r} is not {STATE_FORMAT}")
+        groups = [RolloutGroup.from_dict(g) for g in state["groups"]]
+        bad = [g.group_id for g in groups if len(g.samples) != self.config.group_size]
+        if bad:
+            raise ValueError(f"partial-rollout state has groups of another size than "
+                             f"PartialRolloutConfig.group_size={self.config.group_size}: {bad[:3]}")
+        self.buffer = groups
+        self.totals = {k: int(state.get("totals", {}).get(k, 0)) for k in _COUNTERS}
+
+
+def flatten(groups: Sequence[RolloutGroup]) -> list[Sample]:
+    """Samples of the groups in order (group-major), as the batch builder and GRPO expect."""
+    return [s for g in groups for s in g.samples]
