@@ -45,3 +45,94 @@ def test_tp1_logits_match_hf_and_round_trip_is_bit_exact(name, tmp_path, run_dis
         assert src[k].dtype == dst[k].dtype and torch.equal(src[k], dst[k]), k
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
     torch.testing.assert_close(hf_logits(out, IDS), ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_tp2_logits_match_hf_and_round_trip_is_bit_exact(name, tmp_path, run_dist):
+    hf_dir = make_hf_model(name, tmp_path / "hf", seed=1)
+    ref = hf_logits(hf_dir, IDS)
+    out = tmp_path / "out"
+    results = run_dist(_load_and_export, 2, hf_dir, out, 2, 1, timeout=120)
+    for _, logits in results:
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+    src, dst = read_safetensors_dir(hf_dir), read_safetensors_dir(out)
+    assert sorted(src) == sorted(dst)
+    for k in src:
+        assert torch.equal(src[k], dst[k]), k
+
+
+def test_tp2_pp2_tied_round_trip_is_bit_exact(tmp_path, run_dist):
+    """Tied embeddings under PP: the last stage's output layer is filled, and exported once."""
+    hf_dir = make_hf_model("qwen2_tied", tmp_path / "hf", seed=2)
+    out = tmp_path / "out"
+    run_dist(_load_and_export, 4, hf_dir, out, 2, 2, timeout=180)
+    src, dst = read_safetensors_dir(hf_dir), read_safetensors_dir(out)
+    assert sorted(src) == sorted(dst) and "lm_head.weight" not in dst
+    for k in src:
+        assert torch.equal(src[k], dst[k]), k
+    assert (out / "tokenizer_config.json").exists() or not (hf_dir / "tokenizer_config.json").exists()
+
+
+def _iterate(rank, world_size, hf_dir, gather_to, bucket_bytes):
+    from megatron_bapo.convert import iter_hf_tensors, load_hf_into_model
+    from megatron_bapo.models.builder import build_gpt_model
+    from megatron_bapo.models.parallel import ParallelConfig, initialize_model_parallel
+
+    initialize_model_parallel(ParallelConfig(tp=1, pp=2), seed=1)
+    cfg = hf_config_dict(hf_dir)
+    model = build_gpt_model(cfg)
+    load_hf_into_model([model], hf_dir)
+    return [[(n, t.clone()) for n, t in b] for b in iter_hf_tensors([model], cfg, bucket_bytes=bucket_bytes, gather_to=gather_to)]
+
+
+@pytest.mark.parametrize("gather_to", ["all", "first", "local"])
+def test_iter_hf_tensors_pp2_buckets(gather_to, tmp_path, run_dist):
+    hf_dir = make_hf_model("qwen2_untied", tmp_path / "hf", seed=3)
+    src = read_safetensors_dir(hf_dir)
+    bucket = 30_000
+    per_rank = run_dist(_iterate, 2, hf_dir, gather_to, bucket, timeout=120)
+    seen = []
+    for rank, buckets in enumerate(per_rank):
+        names = [n for b in buckets for n, _ in b]
+        for b in buckets:
+            size = sum(t.numel() * t.element_size() for _, t in b)
+            assert size <= bucket or len(b) == 1
+            for n, t in b:
+                assert torch.equal(t, src[n]), n
+        if gather_to == "all" or (gather_to == "first" and rank == 0):
+            assert names[0] == "model.embed_tokens.weight" and sorted(names) == sorted(src)
+        elif gather_to == "first":
+            assert names == []
+        seen += names
+    if gather_to == "local":
+        assert sorted(seen) == sorted(src)
+        assert all(".layers.1." not in n for n, _ in sum(per_rank[0], []))
+
+
+def _load_only(rank, world_size, hf_dir, cfg):
+    from megatron_bapo.convert import load_hf_into_model
+    from megatron_bapo.models.builder import build_gpt_model
+    from megatron_bapo.models.parallel import ParallelConfig, initialize_model_parallel
+
+    initialize_model_parallel(ParallelConfig(), seed=1)
+    load_hf_into_model([build_gpt_model(cfg)], hf_dir, hf_config=cfg)
+
+
+def test_load_errors_name_missing_and_unexpected_tensors(tmp_path, run_dist):
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = make_hf_model("llama", tmp_path / "hf")
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    sd["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    del sd["model.layers.1.self_attn.k_proj.weight"]
+    save_file(sd, str(hf_dir / "model.safetensors"))
+    cfg = hf_config_dict(hf_dir)
+    with pytest.raises(AssertionError, match=r"missing tensors \['model.layers.1.self_attn.k_proj.weight'\].*unexpected tensors \['model.layers.0.mlp.extra.weight'\]"):
+        run_dist(_load_only, 1, hf_dir, cfg, timeout=120)
+
+
+def test_unknown_architecture_lists_supported_ones():
+    from megatron_bapo.convert import get_mapping
+
+    with pytest.raises(ValueError, match=r"no weight mapping for architecture 'GemmaForCausalLM'; supported: \['LlamaForCausalLM', 'Qwen2ForCausalLM'\]"):
+        get_mapping({"architectures": ["GemmaForCausalLM"]})
