@@ -1,0 +1,254 @@
+"""aiohttp application: `/generate`, health and info routes, and the process entry (`serve`).
+
+Control routes (abort, flush, pause, weight updates, memory) live in `control.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from megatron_bapo.server.config import ServerConfig
+from megatron_bapo.server.engine import Engine, Req
+from megatron_bapo.server.protocol import GenerateItem, RequestError, SamplingParams, check_context, parse_generate
+from megatron_bapo.server.response import build_output
+from megatron_bapo.server.state import ServerState
+from megatron_bapo.server.weights import eos_token_ids, load_model
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = web.AppKey("bapo_server_state", ServerState)
+SERVER_VERSION = "0.0.0+megatron.bapo.builtin"
+HEALTH_CHECK_TIMEOUT_S = 20.0
+
+
+def error_response(exc: RequestError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+async def read_json(request: web.Request, *, allow_empty: bool = True) -> Any:
+    """The body as JSON; an empty body is `{}` when allowed. Bad JSON -> RequestError (shape 2)."""
+    raw = await request.read()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise RequestError("the request body is empty; send a JSON object", shape=2)
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"JSON decode error: {exc}", shape=2) from exc
+
+
+def read_object(body: Any, endpoint: str) -> dict:
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise RequestError(f"{endpoint}: the body must be a JSON object, got {type(body).__name__}", shape=2)
+    return body
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """RequestError -> SGLang's 400 shapes; API key check when configured."""
+    state = request.app[STATE_KEY]
+    key = state.config.api_key
+    if key and request.headers.get("Authorization", "") != f"Bearer {key}":
+        return web.json_response({"error": {"message": "Unauthorized: missing or wrong API key"}}, status=401)
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        return error_response(exc)
+
+
+def _validate_items(state: ServerState, items: list[GenerateItem]) -> None:
+    seen = set()
+    for item in items:
+        bad = [t for t in item.input_ids if not 0 <= t < state.vocab_size]
+        if bad:
+            raise RequestError(f"input_ids contain token id {bad[0]} outside the vocabulary [0, {state.vocab_size})")
+        check_context(item, state.context_length)
+        if item.rid in seen or item.rid in state.active_rids:
+            raise RequestError("Duplicate request ID detected.")
+        seen.add(item.rid)
+
+
+async def run_items(state: ServerState, items: list[GenerateItem]) -> list[Req]:
+    """Submit items to the engine and wait for all of them to finish."""
+    loop = asyncio.get_running_loop()
+    futures = []
+    for item in items:
+        fut = loop.create_future()
+
+        def done(req: Req, fut=fut) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
+
+        state.engine.submit(item, done)
+        futures.append(fut)
+    try:
+        return list(await asyncio.gather(*futures))
+    except asyncio.CancelledError:
+        for item in items:
+            state.engine.abort(item.rid)
+        raise
+
+
+async def generate(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await read_json(request, allow_empty=False)
+    tokenize = None if state.tokenizer is None else (lambda text: state.tokenizer(text)["input_ids"])
+    parsed = parse_generate(body, tokenize)
+    _validate_items(state, parsed.items)
+    rids = [it.rid for it in parsed.items]
+    await state.enter_generate(rids)
+    try:
+        reqs = await run_items(state, parsed.items)
+    finally:
+        await state.exit_generate(rids)
+    for req in reqs:
+        code = (req.finish_reason or {}).get("status_code")
+        if code in (400, 500, 503):
+            return web.json_response({"error": {"message": req.finish_reason.get("message", "")}}, status=code)
+    # weight_version is read here, when the reply is built (SGLang semantics).
+    outs = [build_output(r, weight_version=state.weight_version, tokenizer=state.tokenizer) for r in reqs]
+    return web.json_response(outs[0] if parsed.single else outs)
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while the scheduler runs; 503 while shutting down (no generation probe: see health_generate)."""
+    state = request.app[STATE_KEY]
+    ok = state.engine.alive and not state.shutting_down
+    return web.Response(status=200 if ok else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """A 1-token greedy probe through the scheduler; 503 while paused, shutting down or on timeout."""
+    state = request.app[STATE_KEY]
+    if state.shutting_down or state.paused or not state.engine.alive:
+        return web.Response(status=503)
+    item = GenerateItem(input_ids=[0], params=SamplingParams(max_new_tokens=1, temperature=0.0),
+                        rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+    try:
+        await asyncio.wait_for(run_items(state, [item]), HEALTH_CHECK_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return web.Response(status=503)
+    return web.Response(status=200)
+
+
+def model_info(state: ServerState) -> dict:
+    cfg = state.engine.model.config
+    return {
+        "model_path": state.model_path,
+        "tokenizer_path": state.config.tokenizer_path or state.config.model_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": state.weight_version,
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": getattr(cfg, "model_type", None),
+        "architectures": list(getattr(cfg, "architectures", None) or [type(state.engine.model).__name__]),
+        "served_model_name": state.config.served_model_name or state.model_path,
+    }
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    return web.json_response(model_info(request.app[STATE_KEY]))
+
+
+def load_entry(state: ServerState) -> dict:
+    running, waiting, used = state.engine.loads()
+    return {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+            "num_used_tokens": used, "num_total_tokens": state.context_length * state.config.max_running_requests}
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    info = dataclasses.asdict(state.config)
+    info.pop("api_key", None)
+    info.update(model_path=state.model_path, tp_size=1, dp_size=1, pp_size=1, context_length=state.context_length,
+                weight_version=state.weight_version, max_total_num_tokens=load_entry(state)["num_total_tokens"],
+                max_req_input_len=state.context_length - 1, internal_states=[load_entry(state)],
+                version=SERVER_VERSION, backend="megatron_bapo.server (transformers, CPU)")
+    return web.json_response(info)
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": request.app[STATE_KEY].weight_version})
+
+
+async def get_loads(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return web.json_response({"timestamp": stamp, "version": SERVER_VERSION, "loads": [load_entry(state)]})
+
+
+def create_app(state: ServerState) -> web.Application:
+    from megatron_bapo.server import control
+
+    app = web.Application(middlewares=[error_middleware], client_max_size=1 << 30)
+    app[STATE_KEY] = state
+    app.router.add_post("/generate", generate)
+    app.router.add_put("/generate", generate)
+    for path, handler in (("/health", health), ("/health_generate", health_generate),
+                          ("/get_model_info", get_model_info), ("/model_info", get_model_info),
+                          ("/get_server_info", get_server_info), ("/server_info", get_server_info),
+                          ("/get_weight_version", get_weight_version), ("/weight_version", get_weight_version),
+                          ("/v1/loads", get_loads), ("/get_load", get_loads)):
+        app.router.add_get(path, handler)
+    control.add_routes(app)
+    return app
+
+
+def build_state(config: ServerConfig) -> ServerState:
+    """Load tokenizer and model and create the (not yet started) engine."""
+    from transformers import AutoTokenizer
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    tokenizer = None
+    if not config.skip_tokenizer_init:
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+    model = load_model(config.model_path)
+    ctx = config.context_length or int(getattr(model.config, "max_position_embeddings", 0) or 4096)
+    engine = Engine(model, tokenizer, eos_ids=eos_token_ids(model, tokenizer), max_running=config.max_running_requests,
+                    seed=config.random_seed, original_logprob=config.return_original_logprob)
+    return ServerState(config=config, engine=engine, tokenizer=tokenizer, model_path=config.model_path,
+                       weight_version=config.weight_version, context_length=ctx,
+                       vocab_size=int(model.get_input_embeddings().weight.shape[0]))
+
+
+async def serve(config: ServerConfig) -> None:
+    """Load, listen, run until SIGTERM/SIGINT, then stop the scheduler and close the listener."""
+    state = await asyncio.to_thread(build_state, config)
+    state.bind_loop()
+    state.engine.start()
+    runner = web.AppRunner(create_app(state), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    if config.port_file:
+        tmp = f"{config.port_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, config.port_file)
+    logger.info("serving %s on http://%s:%d (context %d, pid %d)", config.model_path, config.host, port,
+                state.context_length, os.getpid())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down")
+    state.shutting_down = True
+    await asyncio.to_thread(state.engine.shutdown)
+    await runner.cleanup()

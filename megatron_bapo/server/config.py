@@ -1,0 +1,126 @@
+"""Server configuration and its command line (the flag names of `sglang.launch_server`).
+
+Scripts swap `python -m sglang.launch_server` for `python -m megatron_bapo.server` without editing
+flags: the flags that matter on one CPU are honoured, common GPU-only SGLang flags are accepted and
+ignored with a log line, and anything else is an error (a typo must not be silently ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from typing import Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Everything the built-in server needs; validated by `validate()`."""
+
+    model_path: str = ""
+    """HF checkpoint directory (config.json, safetensors, tokenizer)."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory; defaults to `model_path`."""
+    host: str = "127.0.0.1"
+    """Listen address. Loopback by default: the server has no authentication unless `api_key` is set."""
+    port: int = 30000
+    """Listen port; 0 picks a free one (written to `port_file` when given)."""
+    port_file: Optional[str] = None
+    """Write the bound port here once listening (used by `launch.start_server` to avoid port races)."""
+    context_length: Optional[int] = None
+    """Max prompt + output tokens; defaults to the model's `max_position_embeddings`."""
+    max_running_requests: int = 256
+    """Requests decoded together at most; the rest wait in the queue."""
+    random_seed: int = 0
+    """Seed of the server-wide sampling generator (requests without `sampling_seed`)."""
+    weight_version: str = "default"
+    """Initial weight version string."""
+    api_key: Optional[str] = None
+    """When set, every request needs `Authorization: Bearer <api_key>`."""
+    num_threads: Optional[int] = None
+    """torch intra-op threads; None keeps torch's default."""
+    return_original_logprob: bool = False
+    """False (SGLang's default): a returned log-prob is from the temperature-scaled distribution
+    (before top-p/top-k/min-p filtering). True: from the raw model distribution (temperature 1)."""
+    served_model_name: Optional[str] = None
+    log_level: str = "info"
+    skip_tokenizer_init: bool = False
+
+    def validate(self) -> "ServerConfig":
+        if not self.model_path:
+            raise ValueError("ServerConfig.model_path is required (--model-path DIR)")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"ServerConfig.port must be in [0, 65535], got {self.port}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"ServerConfig.context_length must be >= 2, got {self.context_length}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"ServerConfig.max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"ServerConfig.num_threads must be >= 1, got {self.num_threads}")
+        return self
+
+
+# SGLang flags that have no meaning for a one-process CPU server: accepted, logged, ignored.
+# Value is the argparse nargs: 0 = boolean switch, None = one value, "*" = a list.
+IGNORED_SGLANG_FLAGS: dict[str, object] = {
+    "--tp-size": None, "--tp": None, "--dp-size": None, "--dp": None, "--pp-size": None, "--ep-size": None,
+    "--mem-fraction-static": None, "--trust-remote-code": 0, "--dtype": None, "--kv-cache-dtype": None,
+    "--chunked-prefill-size": None, "--max-prefill-tokens": None, "--max-total-tokens": None,
+    "--cuda-graph-max-bs": None, "--cuda-graph-bs": "*", "--disable-cuda-graph": 0, "--disable-radix-cache": 0,
+    "--attention-backend": None, "--sampling-backend": None, "--schedule-policy": None,
+    "--enable-memory-saver": 0, "--enable-metrics": 0, "--log-requests": 0, "--log-requests-level": None,
+    "--nccl-port": None, "--dist-init-addr": None, "--nnodes": None, "--node-rank": None,
+    "--load-format": None, "--device": None, "--watchdog-timeout": None, "--base-gpu-id": None,
+    "--gpu-id-step": None, "--enable-torch-compile": 0, "--disable-custom-all-reduce": 0,
+    "--skip-server-warmup": 0, "--allow-auto-truncate": 0, "--quantization": None,
+    "--enable-deterministic-inference": 0, "--admin-api-key": None, "--show-time-cost": 0,
+    "--stream-output": 0, "--incremental-streaming-output": 0, "--disable-overlap-schedule": 0,
+    "--enable-dp-attention": 0, "--max-queued-requests": None, "--revision": None,
+}
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_bapo.server",
+        description="Built-in CPU rollout server speaking SGLang's native HTTP API (transformers backend).",
+    )
+    p.add_argument("--model-path", "--model", dest="model_path", required=True)
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--return-original-logprob", action="store_true",
+                   help="return log-probs of the raw (temperature 1) distribution instead of the scaled one")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--skip-tokenizer-init", action="store_true")
+    for flag, nargs in IGNORED_SGLANG_FLAGS.items():
+        dest = "ignored_" + flag.lstrip("-").replace("-", "_")
+        if nargs == 0:
+            p.add_argument(flag, dest=dest, action="store_true", help=argparse.SUPPRESS)
+        else:
+            p.add_argument(flag, dest=dest, nargs=nargs, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> ServerConfig:
+    """Parse the command line into a validated `ServerConfig`; logs every ignored SGLang flag."""
+    ns = build_arg_parser().parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    kwargs = {}
+    for key, value in vars(ns).items():
+        if key.startswith("ignored_"):
+            if value not in (None, False):
+                logger.info("ignoring SGLang flag --%s=%s (no meaning for the built-in CPU server)",
+                            key[len("ignored_"):].replace("_", "-"), value)
+        elif key in fields:
+            kwargs[key] = value
+    return ServerConfig(**kwargs).validate()

@@ -1,0 +1,172 @@
+"""Control endpoints: abort, flush, pause/continue, weight version and weight updates, memory.
+
+Reply shapes and status codes follow SGLang 0.5.15 (spec sections 3, 4, 8, 9, 11, 12, 13).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from megatron_bapo.server.app import STATE_KEY, read_json, read_object
+from megatron_bapo.server.protocol import RequestError
+from megatron_bapo.server.state import ServerState
+from megatron_bapo.server.weights import load_model
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be a boolean, got {value!r}", shape=2)
+    return value
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """Always 200 with an empty body. `rid` must be an exact in-flight rid; every rid it prefixes is
+    aborted (SGLang's scheduler match). Unknown rids are ignored."""
+    state = request.app[STATE_KEY]
+    body = read_object(await read_json(request), "/abort_request")
+    rid = body.get("rid") or ""
+    if not isinstance(rid, str):
+        raise RequestError("rid must be a string", shape=2)
+    if _flag(body, "abort_all", False):
+        state.engine.abort(abort_all=True)
+    elif rid and rid in state.active_rids:
+        state.engine.abort(rid)
+    return web.Response(status=200)
+
+
+def _idle(state: ServerState) -> bool:
+    return state.engine.is_idle()
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """Plain text; 200 when the scheduler is idle (waiting up to `?timeout=` seconds), else 400."""
+    state = request.app[STATE_KEY]
+    try:
+        timeout = float(request.query.get("timeout", "0") or 0)
+    except ValueError:
+        return web.Response(status=400, text=f"timeout must be a number, got {request.query.get('timeout')!r}")
+    deadline = time.monotonic() + max(timeout, 0.0)
+    while not _idle(state):
+        if time.monotonic() >= deadline:
+            msg = "Timed out waiting for idle state." if timeout > 0 else "Flush cache failed."
+            return web.Response(status=400, text=msg)
+        await asyncio.sleep(0.05)
+    return web.Response(status=200, text="Cache flushed.\nPlease check backend logs for more details. "
+                                         "(When there are running or waiting requests, the operation will not be performed.)\n")
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = read_object(await read_json(request), "/pause_generation")
+    mode = body.get("mode") or "abort"
+    if mode not in PAUSE_MODES:
+        raise RequestError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+    await state.set_paused(True)
+    if mode == "abort":
+        await state.wait_no_inflight()
+    else:
+        await asyncio.to_thread(state.engine.pause, mode == "retract")
+    logger.info("generation paused (mode=%s)", mode)
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    read_object(await read_json(request), "/continue_generation")
+    state.engine.resume()
+    await state.set_paused(False)
+    logger.info("generation continued")
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = read_object(await read_json(request), "/update_weight_version")
+    new = body.get("new_version")
+    if not isinstance(new, str) or not new:
+        raise RequestError("new_version must be a non-empty string")
+    if _flag(body, "abort_all_requests", True):
+        state.engine.abort(abort_all=True)
+    state.weight_version = new
+    return web.json_response({"success": True, "message": "Success", "new_version": new})
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    """Load an HF directory into a new model and swap it in between decode steps; a failed load
+    changes nothing (400). Without a pause, waits for in-flight `/generate` calls (writer lock)."""
+    state = request.app[STATE_KEY]
+    body = read_object(await read_json(request), "/update_weights_from_disk")
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise RequestError("model_path is required (an HF checkpoint directory)")
+    version = body.get("weight_version")
+    if version is not None and not isinstance(version, str):
+        raise RequestError(f"weight_version must be a string or null, got {version!r}")
+    abort_all = _flag(body, "abort_all_requests", False)
+    async with state.update_lock:
+        taken = await state.acquire_writer(abort_all)
+        try:
+            try:
+                model = await asyncio.to_thread(load_model, path)
+            except Exception as exc:  # noqa: BLE001 - any load failure is a 400 with rollback
+                logger.warning("update_weights_from_disk(%s) failed: %s", path, exc)
+                return web.json_response({"success": False, "num_paused_requests": 0,
+                                          "message": f"Failed to get weights iterator: {exc}. "
+                                                     "Rolled back to the previous weights."}, status=400)
+            await asyncio.to_thread(state.engine.swap_model, model)
+            state.model_path = path
+            message = "Succeeded to update model weights."
+            if version is not None:
+                state.weight_version = version
+                message += f" Weight version updated to {version}."
+        finally:
+            await state.release_writer(taken)
+    logger.info("weights updated from %s (version %s)", path, state.weight_version)
+    return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    read_object(await read_json(request), "/update_weights_from_tensor")
+    return web.json_response({"success": False, "message": (
+        "update_weights_from_tensor needs CUDA IPC handles and is not supported by the built-in CPU server; "
+        "use /update_weights_from_disk or /update_weights_from_distributed (backend gloo)")}, status=400)
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    read_object(await read_json(request), "/release_memory_occupation")
+    if not _idle(state):
+        raise RequestError("release_memory_occupation needs an idle server (no running or waiting requests)")
+    return web.json_response(None)
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    read_object(await read_json(request), "/resume_memory_occupation")
+    return web.json_response(None)
+
+
+def add_routes(app: web.Application) -> None:
+    from megatron_bapo.server import distributed
+
+    app.router.add_post("/abort_request", abort_request)
+    for method in ("GET", "POST"):
+        app.router.add_route(method, "/flush_cache", flush_cache)
+        app.router.add_route(method, "/release_memory_occupation", release_memory_occupation)
+        app.router.add_route(method, "/resume_memory_occupation", resume_memory_occupation)
+    app.router.add_post("/pause_generation", pause_generation)
+    app.router.add_post("/continue_generation", continue_generation)
+    app.router.add_post("/update_weight_version", update_weight_version)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    distributed.add_routes(app)
