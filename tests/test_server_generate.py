@@ -1,0 +1,225 @@
+"""Built-in server `/generate` over real loopback HTTP against a tiny random model.
+
+The reference is a direct transformers forward over the same tokens in this process: the server's
+returned log-probs must match it (temperature 1), batched/concurrent decoding must give the same
+greedy tokens as one request alone, and every finish reason / reply shape must be SGLang's.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from megatron_bapo.server.launch import start_server
+
+
+def http(url: str, body=None, *, method: str = "POST", raw: bytes = None, timeout: float = 120.0):
+    """(status, parsed JSON or text) for one request."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode()
+    try:
+        return status, json.loads(text) if text else None
+    except json.JSONDecodeError:
+        return status, text
+
+
+@pytest.fixture(scope="module")
+def server(tiny_hf_dir):
+    with start_server(tiny_hf_dir, extra_args=["--num-threads", "1", "--random-seed", "3"]) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def ref_model(tiny_hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_hf_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_hf_dir)
+
+
+def ref_logprobs(model, prompt: list, output: list) -> list:
+    """log p(output[i] | prompt + output[:i]) by one full forward (no cache)."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
+
+
+def ref_greedy(model, prompt: list, num: int) -> list:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(num):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [9], [70, 71, 72, 73, 74]]
+
+
+def test_logprobs_match_direct_forward_under_concurrency(server, ref_model):
+    """Sampled at temperature 1 from 8 concurrent requests of different lengths (joined/left batches)."""
+    bodies = [{"input_ids": PROMPTS[i % 4], "return_logprob": True,
+               "sampling_params": {"max_new_tokens": 6 + 3 * i, "temperature": 1.0, "ignore_eos": True}}
+              for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda b: http(server.url + "/generate", b), bodies))
+    for body, (status, out) in zip(bodies, replies):
+        assert status == 200, out
+        meta = out["meta_info"]
+        lps = meta["output_token_logprobs"]
+        assert [e[1] for e in lps] == out["output_ids"]
+        assert len(out["output_ids"]) == body["sampling_params"]["max_new_tokens"] == meta["completion_tokens"]
+        assert meta["finish_reason"] == {"type": "length", "length": body["sampling_params"]["max_new_tokens"]}
+        assert meta["prompt_tokens"] == len(body["input_ids"])
+        assert meta["input_token_logprobs"] == []
+        expected = ref_logprobs(ref_model, body["input_ids"], out["output_ids"])
+        torch.testing.assert_close(torch.tensor([e[0] for e in lps]), torch.tensor(expected), atol=1e-4, rtol=0)
+
+
+def test_batched_greedy_equals_single_and_reference(server, ref_model):
+    sp = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    status, batch = http(server.url + "/generate", {"input_ids": PROMPTS, "sampling_params": sp})
+    assert status == 200 and isinstance(batch, list) and len(batch) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, batch):
+        status, single = http(server.url + "/generate", {"input_ids": prompt, "sampling_params": sp})
+        assert status == 200 and isinstance(single, dict)
+        assert out["output_ids"] == single["output_ids"] == ref_greedy(ref_model, prompt, 12)
+
+
+def test_input_logprobs_and_top_logprobs(server, ref_model):
+    prompt = PROMPTS[1]
+    status, out = http(server.url + "/generate", {
+        "input_ids": prompt, "return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 3,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    assert status == 200, out
+    meta = out["meta_info"]
+    inp = meta["input_token_logprobs"]
+    assert [e[1] for e in inp] == prompt[2:] and inp[0][0] is None
+    with torch.no_grad():
+        lp = torch.log_softmax(ref_model(input_ids=torch.tensor([prompt])).logits[0], dim=-1)
+    for pos in range(3, len(prompt)):
+        assert abs(inp[pos - 2][0] - float(lp[pos - 1, prompt[pos]])) < 1e-4
+    tops = meta["output_top_logprobs"]
+    assert len(tops) == 3 and all(len(t) == 3 for t in tops)
+    # greedy: the chosen token is the most likely one
+    assert [t[0][1] for t in tops] == out["output_ids"]
+
+
+def test_finish_reasons_and_trimming(server, tok):
+    prompt = tok("abc")["input_ids"]
+    base = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    _, ref = http(server.url + "/generate", {"input_ids": prompt, "sampling_params": base})
+    ids = ref["output_ids"]
+    # stop token id: the 4th greedy token (first occurrence)
+    stop_tok = ids[3]
+    first = ids.index(stop_tok)
+    _, out = http(server.url + "/generate", {"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 10, "temperature": 0, "stop_token_ids": [stop_tok]}})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    assert out["output_ids"] == ids[: first + 1]  # the stop token is kept in output_ids
+    assert out["text"] == tok.decode(ids[:first], skip_special_tokens=True)  # ...and trimmed from text
+    # stop string: text of greedy tokens 2..3
+    full_text = tok.decode(ids, skip_special_tokens=True)
+    stop_str = full_text[2:4]
+    _, out = http(server.url + "/generate", {"input_ids": prompt, "sampling_params": {**base, "stop": [stop_str]}})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}
+    assert out["text"] == full_text[: full_text.find(stop_str)]
+    _, kept = http(server.url + "/generate", {"input_ids": prompt, "sampling_params": {
+        **base, "stop": stop_str, "no_stop_trim": True}})
+    assert kept["text"].endswith(stop_str)
+    # min_new_tokens keeps the stop token from ending the sequence early
+    _, out = http(server.url + "/generate", {"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 10, "min_new_tokens": 10, "temperature": 0, "stop_token_ids": [stop_tok]}})
+    assert out["meta_info"]["finish_reason"]["type"] == "length" and stop_tok not in out["output_ids"]
+    # max_new_tokens = 0: no tokens, length 0
+    _, out = http(server.url + "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}})
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+def test_eos_stops_unless_ignored(server, tok, ref_model):
+    """Force EOS with a logit bias: it stops (matched = eos id) unless ignore_eos."""
+    eos = tok.eos_token_id
+    sp = {"max_new_tokens": 5, "temperature": 0, "logit_bias": {str(eos): 1000.0}}
+    _, out = http(server.url + "/generate", {"input_ids": [5, 6], "sampling_params": sp})
+    assert out["output_ids"] == [eos] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    assert out["text"] == ""
+    _, out = http(server.url + "/generate", {"input_ids": [5, 6], "sampling_params": {**sp, "ignore_eos": True}})
+    assert out["output_ids"] == [eos] * 5 and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_n_batch_rids_text_and_seed(server, tok):
+    status, out = http(server.url + "/generate", {"text": ["ab", "xyz"], "rid": "grp",
+                                                 "sampling_params": {"max_new_tokens": 4, "n": 3}})
+    assert status == 200 and len(out) == 6
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [len(tok("ab")["input_ids"])] * 3 + [
+        len(tok("xyz")["input_ids"])] * 3
+    assert len({o["meta_info"]["id"] for o in out}) == 6  # n > 1: fresh rids per sample
+    status, out = http(server.url + "/generate", {"input_ids": [[1, 2], [3, 4]], "rid": "b",
+                                                 "sampling_params": {"max_new_tokens": 2}})
+    assert [o["meta_info"]["id"] for o in out] == ["b_0", "b_1"]
+    seeded = {"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 8, "sampling_seed": 11, "temperature": 1.5}}
+    _, a = http(server.url + "/generate", seeded)
+    _, b = http(server.url + "/generate", seeded)
+    assert a["output_ids"] == b["output_ids"]
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"input_ids": []}, "empty"),
+    ({"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, "bogus"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0.0}}, "top_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"input_ids": [1] * 600}, "context length"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 600}}, "context length"),
+    ({"input_ids": [1, 10 ** 7]}, "vocabulary"),
+    ({"sampling_params": {}}, "input_ids"),
+    ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid"),
+    ({"input_ids": [1, 2], "logprob_start_len": 5, "return_logprob": True}, "logprob_start_len"),
+])
+def test_bad_requests_get_400_with_message(server, body, needle):
+    status, out = http(server.url + "/generate", body)
+    assert status == 400, out
+    assert needle.lower() in out["error"]["message"].lower()
+
+
+def test_bad_json_and_wrong_types_get_shape_2_and_server_keeps_serving(server):
+    status, out = http(server.url + "/generate", raw=b"{not json")
+    assert status == 400 and out["object"] == "error" and out["code"] == 400 and "JSON" in out["message"]
+    status, out = http(server.url + "/generate", {"input_ids": ["a", "b"]})
+    assert status == 400 and out["type"] == "Bad Request"
+    status, out = http(server.url + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and len(out["output_ids"]) == 2
+
+
+def test_info_endpoints(server, tiny_hf_dir):
+    status, info = http(server.url + "/get_model_info", method="GET")
+    assert status == 200 and info["model_path"] == str(tiny_hf_dir) and info["weight_version"] == "default"
+    assert info["architectures"] == ["Qwen2ForCausalLM"] and info["is_generation"] is True
+    assert http(server.url + "/model_info", method="GET")[1] == info
+    status, sinfo = http(server.url + "/server_info", method="GET")
+    assert status == 200 and sinfo["context_length"] == 512 and sinfo["max_req_input_len"] == 511
+    assert http(server.url + "/get_server_info", method="GET")[0] == 200
+    assert http(server.url + "/get_weight_version", method="GET") == (200, {"weight_version": "default"})
+    status, loads = http(server.url + "/v1/loads?include=core", method="GET")
+    assert status == 200 and loads["loads"][0]["num_running_reqs"] == 0
+    assert http(server.url + "/health", method="GET") == (200, None)
+    assert http(server.url + "/health_generate", method="GET") == (200, None)
+    assert http(server.url + "/release_memory_occupation", {}) == (200, None)
+    assert http(server.url + "/resume_memory_occupation", {"tags": ["weights"]}) == (200, None)
