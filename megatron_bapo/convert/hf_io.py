@@ -145,6 +145,7 @@ class HFShardWriter:
         for k, names in enumerate(self._shards):
             final = SINGLE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
             os.replace(self.out / self._tmp_name(k), self.out / final)
+            os.chmod(self.out / final, 0o644)  # safetensors creates 0600 files; servers may run as another user
             weight_map.update({name: final for name in names})
         if n > 1:
             index = {"metadata": {"total_size": self._total}, "weight_map": dict(sorted(weight_map.items()))}
