@@ -1,0 +1,144 @@
+"""tools/plan.py: true parameter count of Qwen2.5-32B, field-naming layout errors, and the per-GPU
+model-state bytes of a small config checked against a real megatron-core actor on CPU ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("megatron.core")
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG_32B = ROOT / "examples/configs/qwen2.5-32b-bapo-64k.yaml"
+HF_32B = ROOT / "examples/configs/qwen2.5-32b-config.json"
+
+TINY = dict(
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=64, num_attention_heads=4,
+    num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2, vocab_size=100, rms_norm_eps=1e-6,
+    rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=256,
+)
+SEQ = 64
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools/plan.py"), *args], capture_output=True, text=True, timeout=240, cwd=ROOT
+    )
+
+
+def test_32b_true_parameter_count_and_fit(tmp_path):
+    text = _plan("--config", str(CFG_32B), "--hf-config", str(HF_32B), "--gpus", "64", "--json-out", str(tmp_path / "p.json"))
+    assert text.returncode == 0, text.stderr
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert abs(plan["num_parameters"] - 32.76e9) / 32.76e9 < 1e-3
+    assert (plan["tp"], plan["pp"], plan["cp"], plan["dp"]) == (8, 2, 2, 2)
+    assert plan["fits_recompute"] and not plan["fits"]  # 64k needs recomputation, as design section 5 says
+    assert 0 < plan["peak_bytes_recompute"] <= plan["capacity_bytes"]
+    assert "32,763,876,352 parameters" in text.stdout and "full recompute FITS" in text.stdout
+
+
+@pytest.mark.parametrize(
+    "override, gpus, field",
+    [("actor.parallel.tp=3", 64, "actor.parallel.tp=3 must divide num_attention_heads=40"),
+     ("actor.parallel.pp=3", 64, "actor.parallel.pp=3"),
+     ("actor.parallel.tp=10", 80, "num_key_value_heads=8"),
+     ("actor.n_minibatches=3", 64, "actor.n_minibatches=3"),
+     ("actor.parallel.cp=4", 64, "2*cp"),
+     ("actor.parallel.cp=1", 40, "GPU count 40"),
+     ("actor.vocab_divisible_by=100", 64, "padded vocab")],
+)
+def test_invalid_layout_names_the_field(override, gpus, field):
+    from megatron_bapo.planner import PlanError, inputs_from_run_yaml, validate_layout
+
+    ov = [override] + (["data.max_prompt_tokens=2050"] if "cp=4" in override else [])
+    inputs = inputs_from_run_yaml(CFG_32B, ov, hf_config=HF_32B, num_gpus=gpus)
+    with pytest.raises(PlanError, match=field.replace("*", r"\*")):
+        validate_layout(inputs)
+
+
+def test_cli_exit_status_on_invalid_layout():
+    out = _plan("--config", str(CFG_32B), "--hf-config", str(HF_32B), "--gpus", "64", "actor.parallel.tp=3")
+    assert out.returncode == 2 and "actor.parallel.tp=3" in out.stderr
+
+
+def _measure(rank, world_size, tp, pp):
+    """Bytes a real actor holds on this rank after one Adam step, and the bytes its forward saves."""
+    from test_actor_helpers import make_batch
+
+    from megatron_bapo.actor import ActorConfig, OptimConfig
+    from megatron_bapo.actor.actor import Actor
+    from megatron_bapo.models.parallel import ParallelConfig
+
+    cfg = ActorConfig(
+        optim=OptimConfig(name="adam", lr=1e-3), parallel=ParallelConfig(tp=tp, pp=pp),
+        max_tokens_per_microbatch=SEQ, use_distributed_optimizer=False, vocab_divisible_by=64,
+    )
+    actor = Actor(cfg, TINY)
+    actor.train_step(make_batch(num_seqs=4, max_len=SEQ))
+    params = [p for chunk in actor.model for p in chunk.parameters()]
+    out = {
+        "num_params": sum(p.numel() for p in params),
+        "params": sum(p.numel() * p.element_size() for p in params),
+        "grads": sum(p.main_grad.numel() * p.main_grad.element_size() for p in params),
+    }
+    optimizers = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    state = 0
+    for opt in optimizers:
+        for st in opt.optimizer.state.values():
+            state += sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t) and t.numel() > 1)
+    out["optimizer"] = state
+    if pp == 1:  # activations saved by one forward of one SEQ-token sequence (parameters excluded)
+        model = actor.model[0]
+        model.train()
+        owned = {p.untyped_storage().data_ptr() for p in params}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            if s.data_ptr() not in owned:
+                seen.setdefault(s.data_ptr(), s.nbytes())
+            return t
+
+        ids = torch.randint(1, 100, (1, SEQ))
+        pos = torch.arange(SEQ).unsqueeze(0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids, pos, None)
+        out["saved"] = sum(seen.values())
+    return out
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_model_state_matches_a_real_cpu_actor(run_dist, tmp_path, tp, pp):
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps(TINY))
+    run = {
+        "model": {"hf_path": str(tmp_path)}, "data": {"max_prompt_tokens": SEQ // 2},
+        "rollout": {"max_response_tokens": SEQ // 2, "prompts_per_step": 2, "group_size": 2},
+        "actor": {"parallel": {"tp": tp, "pp": pp}, "dtype": "float32", "use_distributed_optimizer": False,
+                  "max_tokens_per_microbatch": SEQ, "vocab_divisible_by": 64},
+    }
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(run))
+    out = _plan("--config", str(cfg), "--gpus", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    # HF count: tied embedding once, vocab padding (100 -> 128) excluded
+    hf_model_params = 100 * 64 + 2 * (64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    assert plan["num_parameters"] == hf_model_params
+    measured = run_dist(_measure, 2, tp, pp, timeout=240)
+    stages = ["only"] if pp == 1 else ["first", "last"]
+    for rank, stage in enumerate(stages if pp > 1 else stages * 2):
+        want, got = plan["stages"][stage], measured[rank]
+        for key in ("num_params", "params", "grads", "optimizer"):
+            assert want[key] == got[key], (stage, key, want[key], got[key])
+    if pp == 1:
+        h = TINY["hidden_size"]
+        # decoder layers + the final norm's saved input/output/linear input (3h per token)
+        estimate = plan["stages"]["only"]["activations"] + 3 * SEQ * h * 4
+        assert measured[0]["saved"] == pytest.approx(estimate, rel=0.1)
