@@ -7,11 +7,12 @@ behavior log-prob is log p(input_ids[b, t] | input_ids[b, :t])), rows are right-
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from megatron_bapo.rollout.types import Sample
+
+if TYPE_CHECKING:  # torch is imported on use: the client and the stand-in server do not need it
+    import torch
 
 
 def build_batch(
@@ -32,6 +33,8 @@ def build_batch(
       only when `advantages` (one value per sample) is given;
     and `[B]`: prompt_lengths, response_lengths (long), rewards (float32, when given).
     """
+    import torch
+
     if not samples:
         raise ValueError("build_batch: no samples")
     if pad_to_multiple_of < 1:
