@@ -20,14 +20,22 @@ from megatron_bapo.metrics import read_jsonl_metrics  # noqa: E402
 
 PLOTS = {
     "reward.png": ("Mean reward (train rollouts)", ["rollout/reward_mean"]),
-    "eval_accuracy.png": ("Eval accuracy (held-out, greedy or avg@n)", ["eval/test/avg@1", "eval/test/avg@4"]),
+    "eval_accuracy.png": ("Eval accuracy (held-out avg@n)", ["eval/*/avg@*"]),
     "entropy.png": ("Policy entropy (loss tokens)", ["actor/entropy"]),
     "clip_bounds.png": ("Clip bounds", ["bapo/c_low", "bapo/c_high"]),
     "positive_contribution.png": ("Positive contribution share after the search", ["bapo/rho_after"]),
 }
 
 
+def _resolve(records, tag):
+    """`eval/*/avg@*` -> the first matching eval tag of the run (dataset names differ between runs)."""
+    if "*" not in tag:
+        return tag
+    return next((k for r in records for k in sorted(r) if k.startswith("eval/") and "/avg@" in k), tag)
+
+
 def _series(records, tag):
+    tag = _resolve(records, tag)
     points = [(r["step"], r[tag]) for r in records if isinstance(r.get(tag), (int, float))]
     return [p[0] for p in points], [p[1] for p in points]
 
@@ -95,8 +103,7 @@ def main() -> None:
         _, ent = _series(records, "actor/entropy")
         _, low = _series(records, "bapo/c_low")
         _, high = _series(records, "bapo/c_high")
-        eval_tag = next((t for t in ("eval/test/avg@4", "eval/test/avg@1") if _series(records, t)[1]), None)
-        _, ev = _series(records, eval_tag) if eval_tag else ([], [])
+        _, ev = _series(records, "eval/*/avg@*")
 
         def mean(xs):
             return f"{sum(xs) / len(xs):.3f}" if xs else "-"

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# BAPO end to end on one CPU machine: the README's first command.
+#
+#   bash examples/run_tiny_bapo.sh [section.key=value ...]
+#
+# 1. installs the project into .venv (tools/install.sh; CPU torch, no CUDA download),
+# 2. builds the tiny task once (tools/make_tiny.py): a small Qwen2-architecture model with a
+#    character tokenizer, reversed-digit addition data, and a short SFT warm start,
+# 3. trains it with BAPO (python -m megatron_bapo.train): built-in rollout server on loopback,
+#    megatron-core actor on CPU/gloo, disk weight sync every step, TensorBoard in $OUT/tb,
+# 4. prints reward and held-out accuracy at the start and at the end.
+#
+# Environment: TINY_DIR (task assets, default runs/tiny_assets), OUT (run dir, default
+# runs/tiny_bapo), CONFIG (default examples/configs/tiny_bapo.yaml). Re-running resumes from the
+# newest checkpoint in $OUT; pass trainer.resume=false (or delete $OUT) to start over.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+TINY_DIR=${TINY_DIR:-runs/tiny_assets}
+OUT=${OUT:-runs/tiny_bapo}
+CONFIG=${CONFIG:-examples/configs/tiny_bapo.yaml}
+PY=.venv/bin/python
+
+bash tools/install.sh
+if [ ! -f "$TINY_DIR/info.json" ]; then
+  "$PY" tools/make_tiny.py --out "$TINY_DIR" --force
+fi
+"$PY" -m megatron_bapo.train --config "$CONFIG" \
+  model.hf_path="$TINY_DIR/base_model" \
+  data.path="$TINY_DIR/data/train.jsonl" \
+  "eval.datasets=[{name: tiny_test, path: $TINY_DIR/data/test.jsonl}]" \
+  trainer.output_dir="$OUT" "$@"
+"$PY" tools/summarize_run.py "$OUT"

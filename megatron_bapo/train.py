@@ -1,0 +1,66 @@
+"""Command line: `python -m megatron_bapo.train --config FILE [section.key=value ...]`.
+
+Runs as one process on a laptop (a one-rank gloo job, built-in rollout servers) or under
+`torchrun`/`srun` on a cluster (the same code; every rank runs this entry point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+from megatron_bapo.config_io import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_bapo.train",
+        description="BAPO reinforcement learning with a megatron-core actor and SGLang-compatible rollout servers.",
+    )
+    parser.add_argument("--config", help="run YAML (see examples/configs/)")
+    parser.add_argument("--resume", dest="resume", action="store_true", default=None,
+                        help="continue from the newest checkpoint in trainer.output_dir (the default)")
+    parser.add_argument("--no-resume", dest="resume", action="store_false",
+                        help="start from model.hf_path even if checkpoints exist")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=50 actor.optim.lr=1e-6")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_bapo.config import dump_run_config, load_run_config
+
+    overrides = list(args.overrides)
+    if args.resume is not None:
+        overrides.append(f"trainer.resume={'true' if args.resume else 'false'}")
+    try:
+        config = load_run_config(args.config, overrides)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(dump_run_config(config), end="")
+        return 0
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=config.trainer.log_level.upper() if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    from megatron_bapo.trainer import Trainer
+
+    history = Trainer(config).run()
+    if rank == 0 and history:
+        first, last = history[0], history[-1]
+        key = "rollout/reward_mean"
+        if key in first and key in last:
+            logging.getLogger("megatron_bapo.train").info(
+                "done: %d steps, reward %.3f -> %.3f", last["step"], first[key], last[key])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
