@@ -46,7 +46,10 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 def _idle(state: ServerState) -> bool:
-    return state.engine.is_idle()
+    """Nothing holds KV: no running request, and no waiting one unless paused (retracted requests
+    wait without KV, so a retract pause leaves the cache flushable, as in SGLang)."""
+    running, waiting, _ = state.engine.loads()
+    return running == 0 and (waiting == 0 or state.paused)
 
 
 async def flush_cache(request: web.Request) -> web.Response:

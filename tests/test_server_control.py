@@ -1,0 +1,266 @@
+"""Built-in server control endpoints over real loopback HTTP: abort (prefix match, partial outputs,
+queued aborts), flush_cache, pause modes with continue, weight updates from disk (version, path,
+rollback on a bad path) and the launcher's stop-by-PID.
+
+Long generations use `ignore_eos` and a large `max_new_tokens` on a 4096-token context, and every
+test waits for the server's own load report (never a sleep) before acting on a running request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+import torch
+
+from megatron_bapo.server.config import parse_args
+from megatron_bapo.server.launch import ServerStartError, start_server
+
+LONG = {"max_new_tokens": 3500, "temperature": 0, "ignore_eos": True}
+POOL = ThreadPoolExecutor(8)
+
+
+def http(url: str, body=None, *, method: str = "POST", timeout: float = 300.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode()
+    try:
+        return status, json.loads(text) if text else None
+    except json.JSONDecodeError:
+        return status, text
+
+
+def bg(url: str, body) -> Future:
+    return POOL.submit(http, url, body)
+
+
+def loads(url: str) -> dict:
+    return http(url + "/v1/loads", method="GET")[1]["loads"][0]
+
+
+def wait_for(pred, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def wait_running(url: str, num: int, num_waiting: int = 0) -> None:
+    wait_for(lambda: (lambda l: l["num_running_reqs"] >= num and l["num_waiting_reqs"] >= num_waiting)(loads(url)),
+             f"{num} running / {num_waiting} waiting requests")
+
+
+def wait_idle(url: str) -> None:
+    wait_for(lambda: (lambda l: l["num_running_reqs"] + l["num_waiting_reqs"] == 0)(loads(url)), "idle")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_hf_dir):
+    args = ["--num-threads", "1", "--context-length", "4096", "--max-running-requests", "2"]
+    with start_server(tiny_hf_dir, extra_args=args) as handle:
+        yield handle
+
+
+def greedy(url: str, prompt: list, num: int) -> list:
+    status, out = http(url + "/generate", {"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": num, "temperature": 0, "ignore_eos": True}})
+    assert status == 200, out
+    return out["output_ids"]
+
+
+def test_abort_prefix_match_returns_partial_outputs(server):
+    url = server.url
+    f1 = bg(url + "/generate", {"input_ids": [5, 6], "rid": "job_1", "return_logprob": True, "sampling_params": LONG})
+    f10 = bg(url + "/generate", {"input_ids": [7, 8], "rid": "job_10", "return_logprob": True, "sampling_params": LONG})
+    wait_running(url, 2)
+    status, dup = http(url + "/generate", {"input_ids": [1], "rid": "job_1", "sampling_params": {"max_new_tokens": 1}})
+    assert status == 400 and "Duplicate" in dup["error"]["message"]
+    assert http(url + "/abort_request", {"rid": "job"}) == (200, None)  # not an exact in-flight rid: ignored
+    assert http(url + "/abort_request", {"rid": "job_1"}) == (200, None)  # prefix-aborts job_1 and job_10
+    for fut in (f1, f10):
+        status, out = fut.result(timeout=120)
+        assert status == 200
+        meta = out["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["message"] == "Aborted"
+        assert 0 < len(out["output_ids"]) < LONG["max_new_tokens"]
+        assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+    wait_idle(url)
+
+
+def test_queued_abort_and_flush_cache(server):
+    url = server.url
+    assert http(url + "/flush_cache", method="GET")[1].startswith("Cache flushed")
+    futs = [bg(url + "/generate", {"input_ids": [10 + i], "return_logprob": True, "sampling_params": LONG})
+            for i in range(3)]
+    wait_running(url, 2, num_waiting=1)  # --max-running-requests 2: the third one queues
+    status, text = http(url + "/flush_cache")
+    assert (status, text) == (400, "Flush cache failed.")
+    status, text = http(url + "/flush_cache?timeout=0.2")
+    assert (status, text) == (400, "Timed out waiting for idle state.")
+    assert http(url + "/abort_request", {"abort_all": True}) == (200, None)
+    outs = [f.result(timeout=120)[1] for f in futs]
+    reasons = sorted(o["meta_info"]["finish_reason"]["message"] for o in outs)
+    assert reasons == ["Abort in waiting queue", "Aborted", "Aborted"]
+    queued = next(o for o in outs if o["meta_info"]["finish_reason"]["message"] == "Abort in waiting queue")
+    assert queued["output_ids"] == [] and queued["meta_info"]["completion_tokens"] == 0
+    assert queued["meta_info"]["output_token_logprobs"] == []
+    wait_idle(url)
+    assert http(url + "/flush_cache")[0] == 200
+
+
+def test_pause_abort_holds_new_requests_until_continue(server):
+    url = server.url
+    running = bg(url + "/generate", {"input_ids": [3, 4], "sampling_params": LONG})
+    wait_running(url, 1)
+    status, reply = http(url + "/pause_generation", {"mode": "abort"})
+    assert (status, reply) == (200, {"message": "Generation paused successfully.", "status": "ok"})
+    # pause(abort) returns only after in-flight calls returned (the client thread may lag a little)
+    assert loads(url)["num_running_reqs"] == 0
+    assert running.result(timeout=60)[1]["meta_info"]["finish_reason"]["type"] == "abort"
+    held = bg(url + "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3}})
+    assert http(url + "/health_generate", method="GET")[0] == 503
+    assert http(url + "/flush_cache")[0] == 200
+    assert not held.done() and loads(url)["num_running_reqs"] == 0
+    assert http(url + "/continue_generation", {})[1]["message"] == "Generation continued successfully."
+    status, out = held.result(timeout=120)
+    assert status == 200 and len(out["output_ids"]) == 3
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_retract_and_in_place_continue_token_identical(server, mode):
+    url = server.url
+    prompt, num = [20, 21, 22], 600
+    expected = greedy(url, prompt, num)
+    fut = bg(url + "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": num, "temperature": 0, "ignore_eos": True}})
+    wait_running(url, 1)
+    assert http(url + "/pause_generation", {"mode": mode})[0] == 200
+    state = loads(url)
+    if mode == "retract":
+        assert (state["num_running_reqs"], state["num_waiting_reqs"]) == (1 - 1, 1)
+        assert http(url + "/flush_cache")[0] == 200  # KV freed: flushable
+    else:
+        assert state["num_running_reqs"] == 1
+        assert http(url + "/flush_cache")[0] == 400  # KV resident
+    assert not fut.done()
+    assert http(url + "/continue_generation", {})[0] == 200
+    status, out = fut.result(timeout=120)
+    assert status == 200 and out["output_ids"] == expected
+    assert out["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": num}
+
+
+@pytest.fixture(scope="module")
+def other_ckpt(tmp_path_factory):
+    from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_other"), seed=1)
+
+
+def greedy_lp(url: str, prompt: list, num: int) -> tuple[list, list]:
+    status, out = http(url + "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": num, "temperature": 0, "ignore_eos": True}})
+    assert status == 200, out
+    return out["output_ids"], [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+
+
+def test_update_weights_from_disk_changes_outputs_and_version(server, tiny_hf_dir, other_ckpt):
+    from transformers import AutoModelForCausalLM
+
+    url = server.url
+    prompt = [30, 31, 32]
+    before = greedy_lp(url, prompt, 16)
+    status, reply = http(url + "/update_weights_from_disk", {"model_path": str(other_ckpt), "weight_version": "7"})
+    assert status == 200 and reply["success"] is True and "Weight version updated to 7." in reply["message"]
+    info = http(url + "/get_model_info", method="GET")[1]
+    assert info["model_path"] == str(other_ckpt) and info["weight_version"] == "7"
+    status, out = http(url + "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 16, "temperature": 0, "ignore_eos": True}})
+    assert out["meta_info"]["weight_version"] == "7"
+    after = (out["output_ids"], [e[0] for e in out["meta_info"]["output_token_logprobs"]])
+    assert after != before
+    ref = AutoModelForCausalLM.from_pretrained(other_ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(input_ids=torch.tensor([prompt + after[0]])).logits[0], dim=-1)
+    expected = [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(after[0])]
+    torch.testing.assert_close(torch.tensor(after[1]), torch.tensor(expected), atol=1e-4, rtol=0)
+
+    # A bad path is a 400 with rollback: same weights, same version, same path.
+    status, reply = http(url + "/update_weights_from_disk", {"model_path": "/nonexistent/ckpt", "weight_version": "8"})
+    assert status == 400 and reply["success"] is False and "nonexistent" in reply["message"]
+    info = http(url + "/get_model_info", method="GET")[1]
+    assert info["weight_version"] == "7" and info["model_path"] == str(other_ckpt)
+    assert greedy_lp(url, prompt, 16) == after
+
+    # Back to the original weights; outputs return to what they were.
+    assert http(url + "/update_weights_from_disk", {"model_path": str(tiny_hf_dir)})[0] == 200
+    assert greedy_lp(url, prompt, 16) == before
+
+
+def test_weight_version_is_read_at_reply_time(server, tiny_hf_dir):
+    """Update under an in-place pause with a resident request: its reply carries the new version."""
+    url = server.url
+    fut = bg(url + "/generate", {"input_ids": [1, 2, 3], "sampling_params": {**LONG, "max_new_tokens": 800}})
+    wait_running(url, 1)
+    assert http(url + "/pause_generation", {"mode": "in_place"})[0] == 200
+    status, reply = http(url + "/update_weights_from_disk", {"model_path": str(tiny_hf_dir), "weight_version": "v2"})
+    assert status == 200, reply
+    assert http(url + "/continue_generation", {})[0] == 200
+    status, out = fut.result(timeout=120)
+    assert status == 200 and out["meta_info"]["weight_version"] == "v2"
+    status, reply = http(url + "/update_weight_version", {"new_version": "v3"})
+    assert reply == {"success": True, "message": "Success", "new_version": "v3"}
+    assert http(url + "/get_weight_version", method="GET")[1] == {"weight_version": "v3"}
+
+
+def test_update_without_pause_waits_or_aborts_inflight(server, tiny_hf_dir):
+    url = server.url
+    fut = bg(url + "/generate", {"input_ids": [4, 5], "sampling_params": LONG})
+    wait_running(url, 1)
+    status, reply = http(url + "/update_weights_from_disk", {"model_path": str(tiny_hf_dir),
+                                                             "abort_all_requests": True})
+    assert status == 200 and reply["success"] is True
+    status, out = fut.result(timeout=120)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) < LONG["max_new_tokens"]
+
+
+def test_bad_control_bodies_get_400(server):
+    url = server.url
+    assert http(url + "/pause_generation", {"mode": "sideways"})[0] == 400
+    assert http(url + "/update_weights_from_disk", {})[0] == 400
+    assert http(url + "/update_weight_version", {"new_version": 3})[0] == 400
+    status, out = http(url + "/update_weights_from_tensor", {"serialized_named_tensors": []})
+    assert status == 400 and out["success"] is False
+    assert http(url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})[0] == 200
+
+
+def test_cli_accepts_sglang_flags_and_rejects_unknown(capsys):
+    cfg = parse_args(["--model-path", "/m", "--tp-size", "1", "--mem-fraction-static", "0.8",
+                      "--trust-remote-code", "--context-length", "1024", "--random-seed", "5"])
+    assert (cfg.model_path, cfg.host, cfg.port, cfg.context_length, cfg.random_seed) == ("/m", "127.0.0.1", 30000, 1024, 5)
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "/m", "--no-such-flag"])
+
+
+def test_launcher_stops_by_pid_and_reports_failed_start(tmp_path, tiny_hf_dir):
+    handle = start_server(tiny_hf_dir, extra_args=["--num-threads", "1"], log_path=tmp_path / "log.txt")
+    pid = handle.pid
+    assert http(handle.url + "/health", method="GET")[0] == 200
+    handle.stop()
+    assert not handle.alive()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert "serving" in (tmp_path / "log.txt").read_text()
+    with pytest.raises(ServerStartError, match="config.json|exited"):
+        start_server(tmp_path, startup_timeout_s=120)
