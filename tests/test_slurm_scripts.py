@@ -1,0 +1,75 @@
+"""The SLURM launch scripts without a cluster: DRY_RUN=1 prints the expected commands; shellcheck clean."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ["examples/run_32b_bapo.sh", "examples/run_tiny_slurm.sh", "examples/slurm_common.sh",
+           "tests/slurm/start_cluster.sh", "tests/slurm/stop_cluster.sh"]
+
+
+def _dry_run(script: str, *args: str, **env: str) -> list[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    full_env.update(DRY_RUN="1", **env)
+    out = subprocess.run(["bash", str(ROOT / script), *args], capture_output=True, text=True, env=full_env,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return [line for line in out.stdout.splitlines() if line.startswith("+")]
+
+
+def test_32b_dry_run_prints_every_step_in_order():
+    lines = _dry_run("examples/run_32b_bapo.sh", "trainer.total_steps=3",
+                     ACTOR_NODES="2", ROLLOUT_NODES="2", ROLLOUT_TP="4", MODEL_DIR="/m/qwen32b")
+    servers = [ln for ln in lines if "sglang.launch_server" in ln]
+    # 2 rollout nodes x (8 GPUs / TP 4) = 4 servers, each its own srun step pinned to a node
+    assert len(servers) == 4
+    for node, port in (("node003", 30000), ("node003", 30001), ("node004", 30000), ("node004", 30001)):
+        assert any(f"--nodelist={node}" in s and f"--port {port}" in s and "--tp-size 4" in s
+                   and "--model-path /m/qwen32b" in s and s.startswith("+ [bg:") and " srun " in s for s in servers)
+    router = [ln for ln in lines if "sglang_router.launch_router" in ln]
+    assert len(router) == 1 and "--nodelist=node003" in router[0]
+    assert "--worker-urls http://node003:30000 http://node003:30001 http://node004:30000 http://node004:30001" in router[0]
+    waits = [ln for ln in lines if ln.startswith("+ [wait]")]
+    assert len(waits) == 5 and waits[-1].endswith("http://node003:29000/health")
+    actor = [ln for ln in lines if "megatron_bapo.train" in ln]
+    assert len(actor) == 1
+    a = actor[0]
+    assert "--nodes=2" in a and "--nodelist=node001,node002" in a and "torchrun" in a
+    assert "--nnodes=2" in a and "--nproc-per-node=8" in a and "--master-addr=node001" in a
+    assert "rollout.server_urls=[http://node003:30000,http://node003:30001,http://node004:30000,http://node004:30001]" in a
+    assert "rollout.router_url=http://node003:29000" in a and "sync.method=distributed" in a
+    assert "sync.master_address=node001" in a and a.endswith("trainer.total_steps=3")
+    order = [lines.index(servers[0]), lines.index(router[0]), lines.index(waits[0]), lines.index(a)]
+    assert order == sorted(order)  # servers, router, health checks, then the actor
+
+
+def test_32b_dry_run_container_and_node_count_check():
+    lines = _dry_run("examples/run_32b_bapo.sh", ACTOR_NODES="1", ROLLOUT_NODES="1", CONTAINER_IMAGE="bapo:latest")
+    assert all("--container-image=bapo:latest" in ln for ln in lines if " srun " in f" {ln} ")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(DRY_RUN="1", NODES="a b c", ACTOR_NODES="1", ROLLOUT_NODES="1")
+    out = subprocess.run(["bash", str(ROOT / "examples/run_32b_bapo.sh")], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.returncode != 0 and "ACTOR_NODES + ROLLOUT_NODES = 2" in out.stderr
+
+
+def test_tiny_dry_run_has_server_and_actor_steps(tmp_path):
+    lines = _dry_run("examples/run_tiny_slurm.sh", "trainer.total_steps=2", TINY_DIR=str(tmp_path / "assets"),
+                     OUTPUT_DIR=str(tmp_path / "out"))
+    assert re.search(r"srun .*tools/make_tiny.py --out \S+assets", lines[0])
+    assert "megatron_bapo.server" in lines[1] and lines[1].startswith("+ [bg:server] srun")
+    assert lines[-1].startswith("+ [bg:actor] srun") and "megatron_bapo.train" in lines[-1]
+    assert f"trainer.output_dir={tmp_path / 'out'}" in lines[-1]
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install -y shellcheck)")
+def test_shellcheck_clean():
+    out = subprocess.run(["shellcheck", "-x", *SCRIPTS], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
