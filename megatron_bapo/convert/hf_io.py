@@ -169,8 +169,8 @@ def write_config(hf_config: Any, out_dir: str | os.PathLike, *, dtype: Optional[
     out = Path(out_dir)
     if isinstance(hf_config, dict):
         cfg = dict(hf_config)
-        if dtype is not None:
-            cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+        if dtype is not None:  # transformers v5 reads "dtype", v4 "torch_dtype"
+            cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         return
     import copy

@@ -290,7 +290,7 @@ def megatron_to_hf(
     del expected
     key_of = {id(r): next(a.replace("{i}.", "") for a in r.megatron if a.replace("{i}.", "") in model_keys)
               for r, _ in mapping.rules_for(info)}
-    out_dtype = _parse_dtype(dtype)
+    out_dtype = _parse_dtype(dtype) or emb.dtype  # one dtype for every tensor (norms may be stored fp32)
     tmp = _prepare_out(out_dir, force)
     order = list(mapping.rules_for(info))
     writer = HFShardWriter(tmp, max_shard_bytes=max_shard_bytes, dtype=out_dtype)
@@ -316,7 +316,7 @@ def megatron_to_hf(
                 writer.add(name, t)
             bar.update(1)
     writer.close()
-    write_config(hf_config, tmp, dtype=out_dtype or emb.dtype)
+    write_config(hf_config, tmp, dtype=out_dtype)
     copy_tokenizer_files(template, tmp)
     _finish_out(tmp, out_dir)
     logger.info("wrote HF checkpoint %s from %s", out_dir, mdir)
