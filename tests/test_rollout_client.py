@@ -290,3 +290,28 @@ def test_pause_continue_and_flush_cache():
         client.flush_cache()
         res = client.generate([9, 9], {"max_new_tokens": 2})
         assert res.output_ids
+
+
+def test_context_limit_truncates_instead_of_overflowing():
+    with fake_servers(1) as (urls, _), client_for(urls) as client:
+        cfg = PartialRolloutConfig(group_size=2, max_response_tokens=20, segment_tokens=4, max_context_tokens=12,
+                                   sampling=SamplingConfig(ignore_eos=True))
+        manager = PartialRolloutManager(client, cfg)
+        groups = manager.step(prompts(1, length=5), 0) + manager.step([], 0)
+        assert len(groups) == 1
+        for s in flatten(groups):
+            assert len(s.response_ids) == 7 and s.state is SampleState.TRUNCATED and s.num_segments == 2
+
+
+def test_router_generation_with_control_calls_to_each_worker():
+    with fake_servers(2) as (workers, _):
+        with ThreadedFakeServer(workers=workers) as router:
+            with RolloutClient(RolloutClientConfig(router_url=router.url)) as client:
+                client.update_weights_from_disk("ckpt/r", 5)
+                assert [server_info(u)["weight_version"] for u in workers] == ["5", "5"]
+                assert server_info(router.url)["weight_version"] == "default"  # never sent to the router
+                res = client.generate([4, 4], {"max_new_tokens": 2})
+                assert res.url == router.url and server_info(router.url)["num_generate"] == 1
+                client.abort_all()
+                client.pause_generation()
+                client.continue_generation()

@@ -133,9 +133,15 @@ class PartialRolloutConfig:
     """A buffered sample whose oldest token is more than this many policy versions behind the
     current one is regenerated from scratch instead of resumed (never silently mixed).
     None = no cap; 0 = resume only within the same version."""
+    max_context_tokens: Optional[int] = None
+    """The servers' context length. When set, a segment asks for at most
+    `max_context_tokens - len(prompt + response so far)` tokens, and a sample with no room left is
+    truncated; SGLang would reject the request with a 400 instead. None = do not clip."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
+        if self.max_context_tokens is not None and self.max_context_tokens < 2:
+            raise ValueError(f"PartialRolloutConfig.max_context_tokens must be >= 2 or null, got {self.max_context_tokens}")
         if self.group_size < 1:
             raise ValueError(f"PartialRolloutConfig.group_size must be >= 1, got {self.group_size}")
         if self.max_response_tokens < 1:

@@ -48,7 +48,7 @@ def token_logprob(prefix: list[int], token: int, seed: int) -> float:
 
 class FakeServer:
     def __init__(self, model_path: str = "init", token_delay_s: float = 0.0, fail_first: int = 0,
-                 weight_version: str = "default") -> None:
+                 weight_version: str = "default", workers: Optional[list[str]] = None) -> None:
         self.model_path, self.seed = model_path, weights_seed(model_path)
         self.weight_version = weight_version
         self.token_delay_s, self.fail_left = token_delay_s, fail_first
@@ -57,6 +57,7 @@ class FakeServer:
         self.unpaused.set()
         self.num_generate = 0
         self.max_running = 0
+        self.workers = workers
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 28)
@@ -69,6 +70,8 @@ class FakeServer:
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_weight_version", self.model_info)
         r.add_get("/get_server_info", self.server_info)
+        if self.workers is not None:  # acting as an sglang-router front: GET /workers (0.3.x REST shape)
+            r.add_get("/workers", self.list_workers)
         r.add_post("/update_weights_from_disk", self.update)
         r.add_post("/pause_generation", self.pause)
         r.add_post("/continue_generation", self.cont)
@@ -148,6 +151,11 @@ class FakeServer:
         return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path,
                                   "is_generation": True, "preferred_sampling_params": None,
                                   "weight_version": self.weight_version})
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        workers = [{"id": str(i), "url": u, "worker_type": "regular", "is_healthy": True}
+                   for i, u in enumerate(self.workers or [])]
+        return web.json_response({"workers": workers, "total": len(workers)})
 
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": self.model_path, "weight_version": self.weight_version,

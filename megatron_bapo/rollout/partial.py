@@ -78,7 +78,7 @@ class PartialRolloutManager:
                     s.reset()
                     s.num_regenerations += 1
                     step["num_regenerated"] += 1
-                if len(s.response_ids) >= self.config.max_response_tokens:
+                if self._budget(s) <= 0:
                     s.state = SampleState.TRUNCATED
                     continue
                 jobs.append(s)
@@ -116,13 +116,19 @@ class PartialRolloutManager:
         cap = self.config.max_staleness
         return cap is not None and bool(s.response_versions) and int(version) - min(s.response_versions) > cap
 
-    async def _segment(self, s: Sample) -> GenerateResult:
+    def _budget(self, s: Sample) -> int:
+        """max_new_tokens of the sample's next segment (<= 0: no room left, it is truncated)."""
         budget = min(self.config.segment_budget, self.config.max_response_tokens - len(s.response_ids))
-        params = {**self.config.sampling.to_params(), "max_new_tokens": budget}
+        if self.config.max_context_tokens is not None:
+            budget = min(budget, self.config.max_context_tokens - len(s.prompt_ids) - len(s.response_ids))
+        return budget
+
+    async def _segment(self, s: Sample) -> GenerateResult:
+        params = {**self.config.sampling.to_params(), "max_new_tokens": self._budget(s)}
         return await self.client.agenerate(s.prompt_ids + s.response_ids, params)
 
     def _apply(self, s: Sample, res: GenerateResult, version: int, step: dict[str, int]) -> None:
-        requested = min(self.config.segment_budget, self.config.max_response_tokens - len(s.response_ids))
+        requested = self._budget(s)
         if any(v is None for v in res.versions) and not self._warned_version:
             logger.warning("server %s reports a non-integer weight_version; tokens are labelled with the "
                            "trainer's version %d (call update_weights_from_disk with an int version first)",
@@ -140,7 +146,7 @@ class PartialRolloutManager:
         elif res.finish_type == "abort":
             s.state = SampleState.ABORTED
             step["num_aborted_segments"] += 1
-        elif len(s.response_ids) >= self.config.max_response_tokens or len(res.output_ids) < requested:
+        elif self._budget(s) <= 0 or len(res.output_ids) < requested:
             # Fewer tokens than asked with "length" means the server clipped to its context: no room left.
             s.state = SampleState.TRUNCATED
         else:
