@@ -68,6 +68,7 @@ def test_partial_rollout_across_weight_updates_versions_and_logprobs(servers, ch
                                sampling=SamplingConfig(temperature=1.0))
     path_of = {}
     with RolloutClient(RolloutClientConfig(urls=urls)) as client:
+        client.wait_healthy(timeout_s=120)
         manager = PartialRolloutManager(client, cfg)
         todo, finished = make_prompts(tokenizer, 4), []
         for version in range(1, 10):
@@ -78,6 +79,9 @@ def test_partial_rollout_across_weight_updates_versions_and_logprobs(servers, ch
             todo = todo[2:]
             if not todo and not manager.buffer:
                 break
+        client.flush_cache()
+        client.pause_generation()
+        client.continue_generation()
     assert not manager.buffer and sorted(g.prompt.index for g in finished) == [0, 1, 2, 3]
     models = {p: AutoModelForCausalLM.from_pretrained(p).eval() for p in checkpoints}
     num_checked, mixed = 0, 0
