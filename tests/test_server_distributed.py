@@ -1,0 +1,121 @@
+"""Distributed weight sync into the built-in server over gloo (spec section 10), end to end.
+
+The test process plays the trainer: it fires `/init_weights_update_group` asynchronously, joins the
+group as rank 0, then posts `/update_weights_from_distributed` and broadcasts another checkpoint's
+tensors in list order. Afterwards the server's log-probs must equal a direct forward of that
+checkpoint, and a bad parameter name must fail without changing the served weights.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_bapo.server.distributed import destroy_weights_update_group, init_weights_update_group
+from megatron_bapo.server.launch import start_server
+
+POOL = ThreadPoolExecutor(4)
+
+
+def http(url: str, body=None, *, method: str = "POST", timeout: float = 300.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode()
+    return status, json.loads(text) if text else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def served_logprobs(url: str, prompt: list, num: int) -> tuple[list, list]:
+    status, out = http(url + "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": num, "temperature": 0, "ignore_eos": True}})
+    assert status == 200, out
+    return out["output_ids"], [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+
+
+def ref_logprobs(model, prompt: list, output: list) -> list:
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([prompt + output])).logits[0], dim=-1)
+    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_hf_dir):
+    with start_server(tiny_hf_dir) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
+
+    path = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_dist"), seed=2)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_gloo_distributed_update_matches_trainer_weights(server, other_model):
+    url, port, group = server.url, free_port(), "wug_test"
+    prompt = [11, 12, 13, 14]
+    before = served_logprobs(url, prompt, 8)
+    init = POOL.submit(http, url + "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": group, "backend": "gloo"})
+    pg = init_weights_update_group("gloo", "127.0.0.1", port, 0, 2, group, timeout_s=120)
+    try:
+        assert init.result(timeout=120) == (200, {"success": True,
+                                                  "message": "Succeeded to initialize custom process group."})
+        params = [(n, p.detach()) for n, p in other_model.named_parameters()]
+        body = {"names": [n for n, _ in params], "dtypes": [str(p.dtype).replace("torch.", "") for _, p in params],
+                "shapes": [list(p.shape) for _, p in params], "group_name": group, "weight_version": "d1",
+                "flush_cache": False}
+        reply = POOL.submit(http, url + "/update_weights_from_distributed", body)
+        for _, p in params:
+            dist.broadcast(p.contiguous(), src=0, group=pg)
+        status, out = reply.result(timeout=120)
+        assert status == 200 and out["success"] is True, out
+        ids, lps = served_logprobs(url, prompt, 8)
+        assert (ids, lps) != before
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_logprobs(other_model, prompt, ids)),
+                                   atol=1e-4, rtol=0)
+        assert http(url + "/get_model_info", method="GET")[1]["weight_version"] == "d1"
+
+        # One flattened bucket with a bad name: received in full, rejected, weights unchanged.
+        bad = {"names": ["model.norm.weight", "no.such.param"], "dtypes": ["float32", "float32"],
+               "shapes": [[64], [3]], "group_name": group, "load_format": "flattened_bucket"}
+        reply = POOL.submit(http, url + "/update_weights_from_distributed", bad)
+        dist.broadcast(torch.zeros(67), src=0, group=pg)
+        status, out = reply.result(timeout=120)
+        assert status == 400 and out["success"] is False and "no.such.param" in out["message"]
+        assert served_logprobs(url, prompt, 8) == (ids, lps)
+    finally:
+        destroy_weights_update_group(pg)
+    assert http(url + "/destroy_weights_update_group", {"group_name": group})[1]["success"] is True
+    assert http(url + "/destroy_weights_update_group", {"group_name": group})[0] == 400
+
+
+def test_nccl_without_cuda_and_unknown_group_are_rejected(server):
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    status, out = http(server.url + "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2})
+    assert status == 400 and "gloo" in out["message"]
+    status, out = http(server.url + "/update_weights_from_distributed", {
+        "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
+    assert status == 400 and "nope" in out["error"]["message"]
