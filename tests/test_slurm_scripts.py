@@ -73,3 +73,15 @@ def test_tiny_dry_run_has_server_and_actor_steps(tmp_path):
 def test_shellcheck_clean():
     out = subprocess.run(["shellcheck", "-x", *SCRIPTS], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_32b_config_is_a_valid_run_config_with_the_paper_hyperparameters():
+    from megatron_bapo.config import load_run_config
+
+    cfg = load_run_config(ROOT / "examples/configs/qwen2.5-32b-bapo-64k.yaml")
+    b = cfg.actor.bapo
+    assert (b.rho0, b.low_start, b.low_max, b.high_start, b.high_max, b.high_step, b.low_step) == (
+        0.4, 0.6, 0.9, 1.2, 3.0, 0.05, 0.02)
+    assert cfg.actor.optim.lr == 2e-6 and cfg.rollout.temperature == 0.6
+    assert cfg.rollout.max_response_tokens == 65536 and cfg.rollout.segment_tokens < 65536
+    assert cfg.sync.method == "distributed"

@@ -47,7 +47,21 @@ fi
 if [ -f "$STATE_DIR/slurmctld.pid" ] && kill -0 "$(cat "$STATE_DIR/slurmctld.pid")" 2>/dev/null; then
   bash "$(dirname "${BASH_SOURCE[0]}")/stop_cluster.sh" "$STATE_DIR"
 fi
+port_in_use() {
+  (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+for port in "$SLURMCTLD_PORT" "$SLURMD_PORT"; do
+  port_in_use "$port" && fail "port $port is in use (another cluster? stop it with stop_cluster.sh, or set SLURMCTLD_PORT/SLURMD_PORT)"
+done
 mkdir -p "$STATE_DIR"/{state,spool,log}
+# A failed start leaves nothing running.
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+on_exit() {
+  local status=$?
+  [ "$status" = 0 ] || bash "$HERE/stop_cluster.sh" "$STATE_DIR"
+  return "$status"
+}
+trap on_exit EXIT
 chmod 755 "$STATE_DIR"
 HOST=$(hostname -s)
 CPUS=$(nproc)
