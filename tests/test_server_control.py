@@ -250,3 +250,16 @@ def test_cli_accepts_sglang_flags_and_rejects_unknown(capsys):
     assert (cfg.model_path, cfg.host, cfg.port, cfg.context_length, cfg.random_seed) == ("/m", "127.0.0.1", 30000, 1024, 5)
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "/m", "--no-such-flag"])
+
+
+def test_client_disconnect_aborts_its_request(server):
+    """Paused in place, the request cannot finish by itself: only the disconnect abort can remove it."""
+    url = server.url
+    fut = POOL.submit(http, url + "/generate", {"input_ids": [6, 6], "sampling_params": LONG}, timeout=5.0)
+    wait_running(url, 1)
+    assert http(url + "/pause_generation", {"mode": "in_place"})[0] == 200
+    with pytest.raises(OSError):  # urllib's timeout: the client gives up and closes the socket
+        fut.result(timeout=60)
+    wait_idle(url)
+    assert http(url + "/continue_generation", {})[0] == 200
+    assert http(url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})[0] == 200

@@ -231,7 +231,9 @@ async def serve(config: ServerConfig) -> None:
     state = await asyncio.to_thread(build_state, config)
     state.bind_loop()
     state.engine.start()
-    runner = web.AppRunner(create_app(state), access_log=None)
+    # handler_cancellation: a client that disconnects cancels its /generate, which aborts its requests
+    # (SGLang aborts on disconnect too), so timed-out client retries do not pile up work here.
+    runner = web.AppRunner(create_app(state), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
