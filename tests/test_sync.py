@@ -1,0 +1,101 @@
+"""Weight sync end to end against the built-in server: after a distributed (gloo) or disk sync, the
+server's log-probs equal the trainer's; the NCCL path runs the same check on a GPU."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from dist_harness import free_port  # noqa: E402
+
+IDS = [5, 17, 33, 2, 41, 9, 60, 12, 7, 25, 3, 44]
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _server_logprobs(url: str) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1 as the server computes them."""
+    out = _post(url, "/generate", {"input_ids": IDS, "return_logprob": True, "logprob_start_len": 0,
+                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+    entries = out["meta_info"]["input_token_logprobs"]
+    return torch.tensor([e[0] for e in entries[1:]], dtype=torch.float64)
+
+
+def _version(url: str) -> str:
+    with urllib.request.urlopen(url + "/get_model_info", timeout=30) as resp:
+        return json.loads(resp.read())["weight_version"]
+
+
+def _train_side(rank, world_size, hf_dir, url, method, sync_port, tmp):
+    """Actor (TP = world_size) from the HF checkpoint, weights perturbed, then synced as version 5."""
+    from transformers import AutoConfig
+
+    from megatron_bapo.actor import ActorConfig
+    from megatron_bapo.actor.actor import Actor
+    from megatron_bapo.config import SyncConfig
+    from megatron_bapo.convert import load_hf_into_model
+    from megatron_bapo.models.parallel import ParallelConfig
+    from megatron_bapo.sync import DiskWeightSync, DistributedWeightSync
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    actor = Actor(ActorConfig(parallel=ParallelConfig(tp=world_size), vocab_divisible_by=64), hf_config)
+    load_hf_into_model(actor.model, hf_dir, hf_config=hf_config)
+    g = torch.Generator().manual_seed(100)  # same on every TP rank: replicated norms stay identical
+    with torch.no_grad():
+        for p in actor.model[0].parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    ids = torch.tensor([IDS])
+    lp = actor.compute_logprobs({"input_ids": ids, "attention_mask": torch.ones_like(ids)})[0, 1:].double()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    cfg = SyncConfig(method=method, backend=backend, master_address="127.0.0.1", master_port=sync_port,
+                     bucket_bytes=64 * 1024)  # small buckets: several update calls per sync
+    if method == "distributed":
+        sync = DistributedWeightSync(cfg, actor, hf_config, server_urls=[url])
+        sent = sync.sync(5)
+        sync.sync(6)  # a second sync reuses the group
+    else:
+        sync = DiskWeightSync(cfg, actor, hf_config, tmp, server_urls=[url], tokenizer_src=hf_dir)
+        sync.sync(5)
+        sent = sync.sync(6)
+    sync.close()
+    return {"lp": lp, "sent": sent}
+
+
+@pytest.mark.parametrize("method, world_size", [("distributed", 2), ("disk", 1)])
+def test_sync_makes_server_logprobs_equal_the_trainer(run_dist, tiny_hf_dir, tmp_path, method, world_size):
+    from megatron_bapo.server.launch import start_server
+
+    with start_server(tiny_hf_dir, log_path=tmp_path / "server.log") as server:
+        before = _server_logprobs(server.url)
+        res = run_dist(_train_side, world_size, str(tiny_hf_dir), server.url, method, free_port(),
+                       str(tmp_path / "hf_sync"), timeout=240)
+        trainer = res[0]["lp"]
+        assert (before - trainer).abs().max() > 1e-3  # the perturbation is visible: the check can fail
+        after = _server_logprobs(server.url)
+        torch.testing.assert_close(after, trainer, atol=2e-5, rtol=0)
+        assert _version(server.url) == "6"
+    if method == "distributed":
+        assert res[0]["sent"] > 0 and all(r["sent"] == 0 for r in res[1:])  # only rank 0 sends
+    else:
+        assert sorted(p.name for p in (tmp_path / "hf_sync").iterdir()) == ["v000005", "v000006"]
+
+
+@pytest.mark.gpu
+def test_nccl_sync_makes_server_logprobs_equal_the_trainer(run_dist, tiny_hf_dir, tmp_path):
+    """Same check over NCCL (the trainer's tensors on CUDA; a CUDA server joins with backend nccl)."""
+    from megatron_bapo.server.launch import start_server
+
+    with start_server(tiny_hf_dir, log_path=tmp_path / "server.log") as server:
+        res = run_dist(_train_side, 1, str(tiny_hf_dir), server.url, "distributed", free_port(),
+                       str(tmp_path / "hf_sync"), timeout=300)
+        torch.testing.assert_close(_server_logprobs(server.url), res[0]["lp"], atol=1e-3, rtol=0)
+        assert _version(server.url) == "6"
