@@ -19,7 +19,7 @@ import torch
 from aiohttp import web
 
 from megatron_bapo.server.config import ServerConfig
-from megatron_bapo.server.engine import Engine, Req
+from megatron_bapo.server.engine import Engine, LockedTokenizer, Req
 from megatron_bapo.server.protocol import GenerateItem, RequestError, SamplingParams, check_context, parse_generate
 from megatron_bapo.server.response import build_output
 from megatron_bapo.server.state import ServerState
@@ -216,7 +216,7 @@ def build_state(config: ServerConfig) -> ServerState:
         torch.set_num_threads(config.num_threads)
     tokenizer = None
     if not config.skip_tokenizer_init:
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+        tokenizer = LockedTokenizer(AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path))
     model = load_model(config.model_path)
     ctx = config.context_length or int(getattr(model.config, "max_position_embeddings", 0) or 4096)
     engine = Engine(model, tokenizer, eos_ids=eos_token_ids(model, tokenizer), max_running=config.max_running_requests,

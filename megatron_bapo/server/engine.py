@@ -48,6 +48,26 @@ class Req:
         return self.item.rid
 
 
+class LockedTokenizer:
+    """A tokenizer shared by the HTTP thread and the scheduler thread, one call at a time (Rust fast
+    tokenizers raise "Already borrowed" if one thread changes truncation/padding while another encodes)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._lock = threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        with self._lock:
+            return self._tok(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        with self._lock:
+            return self._tok.decode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
 def _abort_reason(message: str) -> dict:
     return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
