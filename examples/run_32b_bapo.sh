@@ -42,7 +42,8 @@
 #   MEM_FRACTION      SGLang --mem-fraction-static (0.85)
 #   SERVER_ARGS       extra arguments for sglang.launch_server ("")
 #   ROUTER_ARGS       extra arguments for sglang_router.launch_router ("--policy cache_aware")
-#   PYTHON            python inside the job (python)
+#   PYTHON            python of the actor inside the job (python)
+#   SGLANG_PYTHON     python with sglang and sglang-router ($PYTHON; the Dockerfile sets /opt/sglang/bin/python)
 #   CONTAINER_IMAGE   if set, every srun runs in this image (pyxis; see Dockerfile); CONTAINER_MOUNTS too
 #   HEALTH_TIMEOUT    seconds to wait for servers and router (1800)
 #   CLEANUP_TIMEOUT   seconds between SIGTERM and SIGKILL at cleanup (60)
@@ -71,6 +72,7 @@ MEM_FRACTION=${MEM_FRACTION:-0.85}
 SERVER_ARGS=${SERVER_ARGS:-}
 ROUTER_ARGS=${ROUTER_ARGS:---policy cache_aware}
 PYTHON=${PYTHON:-python}
+SGLANG_PYTHON=${SGLANG_PYTHON:-$PYTHON}
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-1800}
 NUM_NODES=$((ACTOR_NODES + ROLLOUT_NODES))
 export CLEANUP_TIMEOUT=${CLEANUP_TIMEOUT:-60}
@@ -99,7 +101,7 @@ for node in "${ROLLOUT[@]}"; do
     port=$((SERVER_PORT + i))
     start_bg "sglang_${node}_${i}" "${SRUN[@]}" --nodes=1 --ntasks=1 --nodelist="$node" \
       --gpus="$ROLLOUT_TP" --exact --kill-on-bad-exit=1 \
-      "$PYTHON" -m sglang.launch_server --model-path "$MODEL_DIR" --tp-size "$ROLLOUT_TP" \
+      "$SGLANG_PYTHON" -m sglang.launch_server --model-path "$MODEL_DIR" --tp-size "$ROLLOUT_TP" \
       --host 0.0.0.0 --port "$port" --context-length "$CONTEXT_LENGTH" \
       --mem-fraction-static "$MEM_FRACTION" --trust-remote-code "${SERVER_EXTRA[@]}"
     SERVER_PIDS+=("$BG_PID")
@@ -109,7 +111,7 @@ done
 
 # 2. sglang-router in front of them (generation only; weight updates go to every server).
 start_bg router "${SRUN[@]}" --overlap --nodes=1 --ntasks=1 --nodelist="$ROUTER_HOST" \
-  "$PYTHON" -m sglang_router.launch_router --host 0.0.0.0 --port "$ROUTER_PORT" \
+  "$SGLANG_PYTHON" -m sglang_router.launch_router --host 0.0.0.0 --port "$ROUTER_PORT" \
   --worker-urls "${WORKER_URLS[@]}" "${ROUTER_EXTRA[@]}"
 ROUTER_PID=$BG_PID
 ROUTER_URL="http://$ROUTER_HOST:$ROUTER_PORT"

