@@ -223,3 +223,19 @@ def test_info_endpoints(server, tiny_hf_dir):
     assert http(server.url + "/health_generate", method="GET") == (200, None)
     assert http(server.url + "/release_memory_occupation", {}) == (200, None)
     assert http(server.url + "/resume_memory_occupation", {"tags": ["weights"]}) == (200, None)
+
+
+def test_batched_prefill_rows_equal_single_forwards(ref_model):
+    """Left-padded prefill of distinct contexts: each row's logits and KV equal its own forward."""
+    from megatron_bapo.server.prefill import batched_prefill, chunk_by_tokens
+
+    ctxs = [[5, 6, 7], list(range(40, 60)), [9]]
+    with torch.no_grad():
+        logits, layers, mask = batched_prefill(ref_model, ctxs)
+        for i, ctx in enumerate(ctxs):
+            out = ref_model(input_ids=torch.tensor([ctx]), use_cache=True)
+            torch.testing.assert_close(logits[i], out.logits[0, -1], atol=1e-5, rtol=0)
+            k_ref = out.past_key_values.layers[0].keys[0]
+            torch.testing.assert_close(layers[0][0][i, :, -len(ctx):], k_ref, atol=1e-5, rtol=0)
+            assert int(mask[i].sum()) == len(ctx) and float(layers[0][0][i, :, : 20 - len(ctx)].abs().sum()) == 0.0
+    assert chunk_by_tokens([[1] * 10, [1] * 3, [1] * 30], max_tokens=40) == [[1, 0], [2]]

@@ -18,10 +18,14 @@ from typing import Callable, Optional
 import torch
 
 from megatron_bapo.server.kv import BatchKV
+from megatron_bapo.server.prefill import batched_prefill, chunk_by_tokens
 from megatron_bapo.server.protocol import GenerateItem
 from megatron_bapo.server.sampling import adjust_logits, choose_token, top_logprobs
 
 logger = logging.getLogger(__name__)
+
+PREFILL_MAX_TOKENS = 8192
+"""Padded tokens per batched prefill forward (bounds the activation memory of one prefill)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -232,16 +236,53 @@ class Engine:
         groups: dict[tuple, list[Req]] = {}
         for req in batch:
             groups.setdefault(tuple(req.item.input_ids + req.output_ids), []).append(req)
+        plain: list[tuple] = []
         for ctx, reqs in groups.items():
-            try:
-                self._prefill(list(ctx), reqs)
-            except Exception as exc:  # noqa: BLE001 - fail this group only, keep serving the rest
-                logger.exception("prefill failed for %d request(s)", len(reqs))
-                self.last_error = exc
-                for req in reqs:
-                    if req.finish_reason is None and req not in self._running:
-                        self._finish(req, {"type": "abort", "message": f"internal error in prefill: {exc}",
-                                           "status_code": 500, "err_type": "InternalServerError"})
+            needs_input = any(r.item.return_logprob and r.item.logprob_start_len >= 0 and not r.started for r in reqs)
+            if needs_input:  # full-sequence logits: one forward for this context alone
+                self._guarded(reqs, self._prefill, list(ctx), reqs)
+                continue
+            for r in reqs:
+                if r.item.params.max_new_tokens <= len(r.output_ids):
+                    self._finish(r, {"type": "length", "length": r.item.params.max_new_tokens})
+            reqs = [r for r in reqs if r.finish_reason is None]
+            if reqs:
+                plain.append((ctx, reqs))
+        if plain:
+            for chunk in chunk_by_tokens([ctx for ctx, _ in plain], PREFILL_MAX_TOKENS):
+                entries = [plain[i] for i in chunk]
+                self._guarded([r for _, rs in entries for r in rs], self._prefill_batch, entries)
+
+    def _guarded(self, reqs: list[Req], fn, *args) -> None:
+        """Run a prefill; on error fail only its requests (keep serving the rest)."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("prefill failed for %d request(s)", len(reqs))
+            self.last_error = exc
+            for req in reqs:
+                if req.finish_reason is None and req not in self._running:
+                    self._finish(req, {"type": "abort", "message": f"internal error in prefill: {exc}",
+                                       "status_code": 500, "err_type": "InternalServerError"})
+
+    def _prefill_batch(self, entries: list[tuple]) -> None:
+        """One left-padded forward for several distinct contexts, each shared by its requests."""
+        logits, layers, mask = batched_prefill(self.model, [ctx for ctx, _ in entries])
+        rows, joined = [], []
+        for j, (_, reqs) in enumerate(entries):
+            for i, req in enumerate(reqs):
+                if i > 0 and not req.started:
+                    req.cached_tokens = len(req.item.input_ids)
+                req.started = True
+                if self._sample(req, logits[j]):
+                    rows.append(j)
+                    joined.append(req)
+        if joined:
+            idx = torch.tensor(rows, dtype=torch.long)
+            self._kv.append([(k.index_select(0, idx), v.index_select(0, idx)) for k, v in layers],
+                            mask.index_select(0, idx))
+            with self._cv:
+                self._running.extend(joined)
 
     def _prefill(self, ctx: list, reqs: list[Req]) -> None:
         """One forward over `ctx` shared by `reqs`; samples each request's next token."""
