@@ -239,3 +239,27 @@ def test_batched_prefill_rows_equal_single_forwards(ref_model):
             torch.testing.assert_close(layers[0][0][i, :, -len(ctx):], k_ref, atol=1e-5, rtol=0)
             assert int(mask[i].sum()) == len(ctx) and float(layers[0][0][i, :, : 20 - len(ctx)].abs().sum()) == 0.0
     assert chunk_by_tokens([[1] * 10, [1] * 3, [1] * 30], max_tokens=40) == [[1, 0], [2]]
+
+
+def test_logprob_distribution_at_other_temperatures_and_filters(server, ref_model):
+    """Documented choice (SGLang's default): the log-prob is of the temperature-scaled distribution,
+    before top-k/top-p filtering; top_k=1 / tiny top_p sample the argmax."""
+    prompt = [50, 51, 52]
+
+    def scaled_ref(output: list, temperature: float) -> list:
+        with torch.no_grad():
+            logits = ref_model(input_ids=torch.tensor([prompt + output])).logits[0] / temperature
+        lp = torch.log_softmax(logits, dim=-1)
+        return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
+
+    _, out = http(server.url + "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0.7, "ignore_eos": True}})
+    got = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(scaled_ref(out["output_ids"], 0.7)), atol=1e-4, rtol=0)
+    greedy_ids = ref_greedy(ref_model, prompt, 8)
+    for sp in ({"top_k": 1}, {"top_p": 1e-6}):
+        _, out = http(server.url + "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+            "max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True, **sp}})
+        assert out["output_ids"] == greedy_ids
+        got = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(scaled_ref(greedy_ids, 1.0)), atol=1e-4, rtol=0)
