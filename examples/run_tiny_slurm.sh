@@ -20,6 +20,9 @@
 #   OUTPUT_DIR      run directory: checkpoints, TensorBoard (tb/), logs ($REPO_DIR/runs/tiny_slurm)
 #   LOG_DIR         job step logs ($OUTPUT_DIR/logs/slurm-$SLURM_JOB_ID)
 #   SERVER_PORT     built-in server port; 0 = a free port picked by the server (0)
+#   SYNC_METHOD     weight sync: "disk" (HF dir + /update_weights_from_disk) or "distributed" (gloo
+#                   process group + /update_weights_from_distributed, as the 32B run does with NCCL) (disk)
+#   SYNC_PORT       port of the distributed weight-sync group on this machine (29611)
 #   ACTOR_PROCS     actor ranks (1; >1 runs torchrun --standalone with gloo)
 #   HEALTH_TIMEOUT  seconds to wait for the server (300)
 #   CLEANUP_TIMEOUT seconds between SIGTERM and SIGKILL at cleanup (30)
@@ -38,6 +41,8 @@ OUTPUT_DIR=${OUTPUT_DIR:-$REPO_DIR/runs/tiny_slurm}
 LOG_DIR=${LOG_DIR:-$OUTPUT_DIR/logs/slurm-${SLURM_JOB_ID:-local}}
 SERVER_PORT=${SERVER_PORT:-0}
 ACTOR_PROCS=${ACTOR_PROCS:-1}
+SYNC_METHOD=${SYNC_METHOD:-disk}
+SYNC_PORT=${SYNC_PORT:-29611}
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-300}
 export CLEANUP_TIMEOUT=${CLEANUP_TIMEOUT:-30}
 
@@ -70,6 +75,10 @@ fi
 wait_for_health "$HEALTH_TIMEOUT" "$SERVER_PID" "$SERVER_URL"
 
 # 2. The actor as a job step (one process, or torchrun with ACTOR_PROCS gloo ranks).
+SYNC_ARGS=(sync.method="$SYNC_METHOD")
+if [ "$SYNC_METHOD" = distributed ]; then
+  SYNC_ARGS+=(sync.backend=gloo sync.master_address=127.0.0.1 sync.master_port="$SYNC_PORT")
+fi
 LAUNCH=("$PYTHON")
 if [ "$ACTOR_PROCS" -gt 1 ]; then
   LAUNCH=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$ACTOR_PROCS")
@@ -79,7 +88,7 @@ start_bg actor srun --overlap --ntasks=1 \
   model.hf_path="$TINY_DIR/base_model" data.path="$TINY_DIR/data/train.jsonl" \
   "eval.datasets=[{name: tiny_test, path: $TINY_DIR/data/test.jsonl}]" \
   trainer.output_dir="$OUTPUT_DIR" "rollout.server_urls=$(yaml_list "$SERVER_URL")" trainer.progress=false \
-  "$@"
+  "${SYNC_ARGS[@]}" "$@"
 ACTOR_PID=$BG_PID
 
 status=0

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dist_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -68,7 +69,7 @@ def test_tiny_run_as_slurm_job_steps(slurm_env, tmp_path):
     assets = _tiny_assets(tmp_path / "assets")
     out_dir = tmp_path / "run"
     env = dict(slurm_env, TINY_DIR=str(assets), OUTPUT_DIR=str(out_dir), PYTHON=str(ROOT / ".venv/bin/python"),
-               CLEANUP_TIMEOUT="20")
+               CLEANUP_TIMEOUT="20", SYNC_METHOD="distributed", SYNC_PORT=str(free_port()))
     job_out = tmp_path / "job.out"
     res = subprocess.run(
         ["sbatch", "--wait", "-o", str(job_out), "--chdir", str(ROOT), str(ROOT / "examples/run_tiny_slurm.sh"),
@@ -86,6 +87,8 @@ def test_tiny_run_as_slurm_job_steps(slurm_env, tmp_path):
     assert {s for series in scalars.values() for s, _ in series} == {1, 2}
     assert scalars["actor/loss"], "no optimizer step ran"  # step 1 may hold only partial rollouts
     # both steps were job steps of the job, and every process they started is gone
+    # the weights reached the server through the distributed (gloo) sync
+    assert "sync.method=distributed" in log and "joined weight update group" in logs
     assert "started server" in log and "started actor" in log and "cleanup: done (exit status 0)" in log
     deadline = time.monotonic() + 30
     while _processes_mentioning(str(assets)) and time.monotonic() < deadline:

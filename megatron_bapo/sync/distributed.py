@@ -15,6 +15,7 @@ other replicas hold identical weights and skip.
 
 from __future__ import annotations
 
+import atexit
 import logging
 from typing import Any, Optional, Sequence
 
@@ -79,6 +80,7 @@ class DistributedWeightSync:
         if self._group is not None:
             return
         calls = self._calls = ControlCalls(self.timeout_s)
+        atexit.register(self.close)  # the trainer may exit without calling close()
         infos = calls.wait_all([calls.get(u, "/get_server_info") for u in self.urls], self.timeout_s)
         tp_sizes = [int((info or {}).get("tp_size", 1)) for info in infos]
         world = 1 + sum(tp_sizes)
