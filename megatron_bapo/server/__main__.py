@@ -15,6 +15,9 @@ def main(argv=None) -> int:
     config = parse_args(argv)
     logging.getLogger().setLevel(getattr(logging, config.log_level.upper(), logging.INFO))
     from megatron_bapo.server.app import serve
+    from megatron_bapo.server.parent_watch import start_parent_watch
+
+    start_parent_watch()
 
     asyncio.run(serve(config))
     return 0

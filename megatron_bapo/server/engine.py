@@ -20,7 +20,7 @@ import torch
 from megatron_bapo.server.kv import BatchKV
 from megatron_bapo.server.prefill import batched_prefill, chunk_by_tokens
 from megatron_bapo.server.protocol import GenerateItem
-from megatron_bapo.server.sampling import adjust_logits, choose_token, top_logprobs
+from megatron_bapo.server.sampling import adjust_logits, choose_plain_batch, choose_token, is_plain, top_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -334,6 +334,27 @@ class Engine:
         sp = req.item.params
         row = adjust_logits(logits, sp, req.output_ids, sorted(req.stop_ids))
         tok, lp, lp_row = choose_token(row, sp, req.generator or self.generator, original=self.original_logprob)
+        return self._record(req, tok, lp, lp_row)
+
+    def _sample_rows(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
+        """`_sample` for every row of a decode step; plain rows are drawn in one batched call.
+        Returns the indices of the requests that keep running."""
+        plain = [i for i, r in enumerate(reqs) if is_plain(r.item.params, len(r.output_ids), r.stop_ids,
+                                                           r.generator is not None, r.item.top_logprobs_num)]
+        drawn: dict[int, tuple[int, float]] = {}
+        if len(plain) > 1:
+            idx = torch.tensor(plain, dtype=torch.long)
+            toks, lps = choose_plain_batch(logits.index_select(0, idx), [reqs[i].item.params.temperature for i in plain],
+                                           self.generator, original=self.original_logprob)
+            drawn = {i: (t, lp) for i, t, lp in zip(plain, toks, lps)}
+        keep = []
+        for i, req in enumerate(reqs):
+            alive = self._record(req, *drawn[i], None) if i in drawn else self._sample(req, logits[i])
+            if alive:
+                keep.append(i)
+        return keep
+
+    def _record(self, req: Req, tok: int, lp: float, lp_row: Optional[torch.Tensor]) -> bool:
         req.output_ids.append(tok)
         self.num_generated_tokens += 1
         if req.item.return_logprob:
@@ -378,7 +399,7 @@ class Engine:
                          use_cache=True, logits_to_keep=1)
         self._kv.advance(out.past_key_values)
         logits = out.logits[:, -1].float()
-        keep = [i for i, req in enumerate(reqs) if self._sample(req, logits[i])]
+        keep = self._sample_rows(reqs, logits)
         with self._cv:
             self._running = [reqs[i] for i in keep]
         self._kv.keep(keep)

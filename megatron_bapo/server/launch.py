@@ -114,6 +114,7 @@ def start_server(
     proc_env = dict(os.environ if env is None else env)
     repo_root = str(Path(__file__).resolve().parents[2])
     proc_env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, proc_env.get("PYTHONPATH", "")) if p)
+    proc_env["MEGATRON_BAPO_PARENT_PID"] = str(os.getpid())  # the server exits if we die (parent_watch)
     with open(log, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=proc_env)

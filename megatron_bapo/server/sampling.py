@@ -97,3 +97,31 @@ def top_logprobs(lp_row: torch.Tensor, k: int) -> list:
         return []
     vals, ids = torch.topk(lp_row, min(k, lp_row.numel()))
     return [[float(v), int(i), None] for v, i in zip(vals.tolist(), ids.tolist())]
+
+
+def is_plain(params, num_output: int, stop_ids, has_own_generator: bool, top_n: int) -> bool:
+    """True when a row needs nothing but temperature (or greedy): it can join `choose_plain_batch`."""
+    return (not has_own_generator and top_n == 0 and params.top_k <= 0 and params.top_p >= 1.0
+            and params.min_p <= 0.0 and not params.logit_bias and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0 and params.repetition_penalty == 1.0
+            and (num_output >= params.min_new_tokens or not stop_ids))
+
+
+def choose_plain_batch(
+    logits: torch.Tensor, temperatures: Sequence[float], generator: Optional[torch.Generator], *, original: bool = False,
+) -> tuple[list, list]:
+    """`choose_token` for many plain rows at once ([b, vocab] fp32): (token ids, log-probs).
+
+    Same distribution and log-prob definition as `choose_token`; one multinomial call for the batch.
+    """
+    temps = torch.tensor(list(temperatures), dtype=logits.dtype)
+    greedy = temps < 1e-6
+    raw_lp = torch.log_softmax(logits, dim=-1)
+    safe = torch.where(greedy, torch.ones_like(temps), temps)
+    lp = raw_lp if bool((safe == 1.0).all()) else torch.log_softmax(logits / safe[:, None], dim=-1)
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        sampled = torch.multinomial(torch.exp(lp), 1, generator=generator).squeeze(1)
+        tokens = torch.where(greedy, tokens, sampled)
+    out_lp = (raw_lp if original else lp).gather(1, tokens[:, None]).squeeze(1)
+    return tokens.tolist(), out_lp.tolist()
