@@ -89,13 +89,42 @@ def test_sync_makes_server_logprobs_equal_the_trainer(run_dist, tiny_hf_dir, tmp
         assert sorted(p.name for p in (tmp_path / "hf_sync").iterdir()) == ["v000005", "v000006"]
 
 
-@pytest.mark.gpu
-def test_nccl_sync_makes_server_logprobs_equal_the_trainer(run_dist, tiny_hf_dir, tmp_path):
-    """Same check over NCCL (the trainer's tensors on CUDA; a CUDA server joins with backend nccl)."""
-    from megatron_bapo.server.launch import start_server
+def _start_sglang(model_dir: str, port: int, log_path):
+    """A real SGLang server on GPU 1 (NCCL cannot put two ranks of one group on the same GPU)."""
+    import os
+    import subprocess
+    import sys
+    import time
 
-    with start_server(tiny_hf_dir, log_path=tmp_path / "server.log") as server:
-        res = run_dist(_train_side, 1, str(tiny_hf_dir), server.url, "distributed", free_port(),
-                       str(tmp_path / "hf_sync"), timeout=300)
-        torch.testing.assert_close(_server_logprobs(server.url), res[0]["lp"], atol=1e-3, rtol=0)
-        assert _version(server.url) == "6"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="1")
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--port",
+                             str(port), "--host", "127.0.0.1", "--mem-fraction-static", "0.3"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, open(log_path).read()[-3000:]
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+            return proc, url
+        except OSError:
+            time.sleep(2)
+    proc.terminate()
+    raise TimeoutError(f"SGLang did not become healthy; see {log_path}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL sync needs 2 GPUs (trainer on GPU 0, SGLang on GPU 1)")
+def test_nccl_sync_to_sglang_makes_logprobs_equal(run_dist, tiny_hf_dir, tmp_path):
+    """The NCCL path against a real SGLang server (needs sglang installed and two GPUs)."""
+    pytest.importorskip("sglang")
+    proc, url = _start_sglang(str(tiny_hf_dir), free_port(), tmp_path / "sglang.log")
+    try:
+        res = run_dist(_train_side, 1, str(tiny_hf_dir), url, "distributed", free_port(),
+                       str(tmp_path / "hf_sync"), timeout=600)
+        torch.testing.assert_close(_server_logprobs(url), res[0]["lp"], atol=1e-3, rtol=0)
+        assert _version(url) == "6"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
