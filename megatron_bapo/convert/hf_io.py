@@ -62,6 +62,9 @@ class HFCheckpointReader:
             raise KeyError(f"{self.path}: tensor {name!r} is not in the checkpoint")
         fname = self.weight_map[name]
         if fname not in self._handles:
+            # One open file at a time: pages of a memory-mapped shard count towards RSS until it is
+            # closed, so keeping every shard open would grow RSS to the model size.
+            self._handles.clear()
             self._handles[fname] = safe_open(self.path / fname, framework="pt")
         return self._handles[fname]
 
