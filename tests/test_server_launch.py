@@ -11,6 +11,14 @@ import pytest
 from megatron_bapo.server.launch import ServerStartError, start_server
 
 
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
 def health(url: str) -> int:
     with urllib.request.urlopen(url + "/health", timeout=30) as resp:
         return resp.status
@@ -27,3 +35,41 @@ def test_launcher_stops_by_pid_and_reports_failed_start(tmp_path, tiny_hf_dir):
     assert "serving" in (tmp_path / "log.txt").read_text()
     with pytest.raises(ServerStartError, match="config.json|exited"):
         start_server(tmp_path, startup_timeout_s=120)
+
+
+def test_server_exits_when_its_launcher_is_killed(tmp_path, tiny_hf_dir):
+    """A launcher killed with SIGKILL cannot stop its server: the server's parent watch does."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "launcher.py"
+    pid_file = tmp_path / "server.pid"
+    script.write_text(
+        "import sys, time\n"
+        "from megatron_bapo.server.launch import start_server\n"
+        f"h = start_server({str(tiny_hf_dir)!r})\n"
+        f"open({str(pid_file)!r}, 'w').write(str(h.pid))\n"
+        "time.sleep(600)\n")
+    launcher = subprocess.Popen([sys.executable, str(script)])
+    try:
+        deadline = time.monotonic() + 180
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert launcher.poll() is None and time.monotonic() < deadline, "launcher failed to start the server"
+            time.sleep(0.2)
+        server_pid = int(pid_file.read_text())
+        os.kill(server_pid, 0)  # running
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            break
+        if _is_zombie(server_pid):  # exited; its new parent (PID 1 of a container) may not reap it
+            break
+        assert time.monotonic() < deadline, f"server pid {server_pid} outlived its killed launcher"
+        time.sleep(0.2)
