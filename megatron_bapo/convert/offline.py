@@ -282,12 +282,10 @@ def megatron_to_hf(
     info = ShapeInfo.from_hf_config(hf_config, vocab_divisible_by=int(emb.global_shape[0]))
     rules = _sharded_key_rules(mapping)
     unknown = sorted(k for k in model_keys if k not in rules)
-    expected = {alias.replace("{i}.", "") for r, _ in mapping.rules_for(info) for alias in r.megatron}
     missing = sorted({r.megatron[-1].replace("{i}.", "") for r, _ in mapping.rules_for(info)
                       if not any(a.replace("{i}.", "") in model_keys for a in r.megatron)})
     if unknown or missing:
         raise KeyError(f"{mdir} does not match {mapping.architecture}: missing tensors {missing}, unexpected tensors {unknown}")
-    del expected
     key_of = {id(r): next(a.replace("{i}.", "") for a in r.megatron if a.replace("{i}.", "") in model_keys)
               for r, _ in mapping.rules_for(info)}
     out_dtype = _parse_dtype(dtype) or emb.dtype  # one dtype for every tensor (norms may be stored fp32)
