@@ -263,3 +263,18 @@ def test_client_disconnect_aborts_its_request(server):
     wait_idle(url)
     assert http(url + "/continue_generation", {})[0] == 200
     assert http(url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})[0] == 200
+
+
+def test_broken_checkpoint_update_rolls_back(server, tiny_hf_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_hf_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated weights, valid config
+    before = greedy_lp(server.url, [8, 9], 6)
+    version = http(server.url + "/get_weight_version", method="GET")[1]["weight_version"]
+    status, reply = http(server.url + "/update_weights_from_disk", {"model_path": str(broken), "weight_version": "x"})
+    assert status == 400 and reply["success"] is False
+    assert http(server.url + "/get_weight_version", method="GET")[1]["weight_version"] == version
+    assert greedy_lp(server.url, [8, 9], 6) == before

@@ -263,3 +263,36 @@ def test_logprob_distribution_at_other_temperatures_and_filters(server, ref_mode
         assert out["output_ids"] == greedy_ids
         got = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(scaled_ref(greedy_ids, 1.0)), atol=1e-4, rtol=0)
+
+
+def test_engine_original_logprob_mode_in_process(tiny_hf_dir, ref_model):
+    """`--return-original-logprob`: log-probs of the raw distribution even at temperature 0.5."""
+    import threading
+
+    from megatron_bapo.server.app import build_state
+    from megatron_bapo.server.config import ServerConfig
+    from megatron_bapo.server.protocol import GenerateItem, SamplingParams
+
+    state = build_state(ServerConfig(model_path=str(tiny_hf_dir), return_original_logprob=True).validate())
+    engine = state.engine
+    engine.start()
+    try:
+        done, results = threading.Semaphore(0), []
+
+        def on_done(req):
+            results.append(req)
+            done.release()
+
+        prompts = [[60, 61], [62, 63, 64]]
+        for i, prompt in enumerate(prompts):
+            engine.submit(GenerateItem(input_ids=prompt, rid=f"o{i}", return_logprob=True,
+                                       params=SamplingParams(max_new_tokens=6, temperature=0.5, ignore_eos=True)),
+                          on_done)
+        for _ in prompts:
+            assert done.acquire(timeout=120)
+    finally:
+        engine.shutdown()
+    for req in results:
+        expected = ref_logprobs(ref_model, req.item.input_ids, req.output_ids)
+        got = [e[0] for e in req.output_logprobs]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
