@@ -98,3 +98,35 @@ def test_tiny_run_as_slurm_job_steps(slurm_env, tmp_path):
         assert not Path(f"/proc/{pid_file.read_text().strip()}").exists(), pid_file
     queue = subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=slurm_env, timeout=30)
     assert queue.stdout.strip() == ""
+
+
+def test_scancel_mid_run_leaves_no_process(slurm_env, tmp_path):
+    """Cancelling the job while it trains: the trap stops the steps by PID and nothing outlives the job."""
+    assets = _tiny_assets(tmp_path / "assets")
+    out_dir = tmp_path / "run"
+    env = dict(slurm_env, TINY_DIR=str(assets), OUTPUT_DIR=str(out_dir), PYTHON=str(ROOT / ".venv/bin/python"),
+               CLEANUP_TIMEOUT="20")
+    job_out = tmp_path / "job.out"
+    sub = subprocess.run(
+        ["sbatch", "--parsable", "-o", str(job_out), "--chdir", str(ROOT), str(ROOT / "examples/run_tiny_slurm.sh"),
+         "trainer.total_steps=200", "eval.every_n_steps=0"],
+        capture_output=True, text=True, env=env, timeout=60, cwd=ROOT,
+    )
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 300
+    while not list(out_dir.glob("tb/events.out.tfevents.*")):  # the actor is up and training
+        assert time.monotonic() < deadline, job_out.read_text() if job_out.exists() else "no job output"
+        time.sleep(1)
+    assert _processes_mentioning(str(assets))  # server and actor are running
+    subprocess.run(["scancel", job_id], env=slurm_env, check=True, timeout=60)
+    deadline = time.monotonic() + 120
+    while subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, env=slurm_env,
+                         timeout=30).stdout.strip():
+        assert time.monotonic() < deadline, "the cancelled job did not leave the queue"
+        time.sleep(1)
+    deadline = time.monotonic() + 30
+    while _processes_mentioning(str(assets)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _processes_mentioning(str(assets)) == []
+    assert "cleanup: stopping 2 background step(s)" in job_out.read_text()
