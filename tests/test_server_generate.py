@@ -296,3 +296,37 @@ def test_engine_original_logprob_mode_in_process(tiny_hf_dir, ref_model):
         expected = ref_logprobs(ref_model, req.item.input_ids, req.output_ids)
         got = [e[0] for e in req.output_logprobs]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
+
+
+def test_arbitrary_generate_bodies_get_200_or_400_never_500(server):
+    """Property: whatever JSON a client sends to /generate, the reply is 200 or 400 (never a 500 or a
+    hang) and the server keeps serving."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 600), st.floats(-3, 3, allow_nan=False),
+                        st.text(max_size=4))
+    values = st.one_of(scalars, st.lists(st.integers(-2, 400), max_size=5),
+                       st.lists(st.lists(st.integers(0, 300), max_size=3), max_size=3), st.lists(st.text(max_size=3), max_size=3))
+    sp_keys = st.sampled_from(["max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
+                               "stop_token_ids", "ignore_eos", "n", "sampling_seed", "logit_bias", "no_stop_trim",
+                               "repetition_penalty", "frequency_penalty", "bogus"])
+    sampling = st.one_of(st.none(), st.dictionaries(sp_keys, values, max_size=4), st.lists(st.dictionaries(sp_keys, values, max_size=2), max_size=2))
+    top_keys = st.sampled_from(["input_ids", "text", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                                "return_text_in_logprobs", "stream", "extra"])
+    bodies = st.one_of(st.fixed_dictionaries({"sampling_params": sampling}, optional={k: values for k in [
+        "input_ids", "text", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num"]}),
+        st.dictionaries(top_keys, values, max_size=4), values)
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(bodies)
+    def check(body):
+        if isinstance(body, dict) and isinstance(body.get("sampling_params"), dict):
+            mnt = body["sampling_params"].get("max_new_tokens")
+            if isinstance(mnt, (int, float)) and not isinstance(mnt, bool) and mnt > 8:
+                body["sampling_params"]["max_new_tokens"] = 8  # keep each example fast
+        status, out = http(server.url + "/generate", body, timeout=60)
+        assert status in (200, 400), (body, status, out)
+
+    check()
+    assert http(server.url + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})[0] == 200
