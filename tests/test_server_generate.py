@@ -330,3 +330,31 @@ def test_arbitrary_generate_bodies_get_200_or_400_never_500(server):
 
     check()
     assert http(server.url + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})[0] == 200
+
+
+def sse_events(url: str, body: dict) -> list:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        lines = [ln.decode().strip() for ln in resp]
+    data = [ln[len("data: "):] for ln in lines if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_streaming_is_cumulative_and_ends_like_non_streaming(server):
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    _, plain = http(server.url + "/generate", {"input_ids": [5, 9], "return_logprob": True, "sampling_params": sp})
+    events = sse_events(server.url + "/generate", {"input_ids": [5, 9], "return_logprob": True, "stream": True,
+                                                   "sampling_params": sp})
+    assert len(events) == 6
+    for k, ev in enumerate(events):  # cumulative: event k has k + 1 tokens
+        assert ev["output_ids"] == plain["output_ids"][: k + 1]
+        assert len(ev["meta_info"]["output_token_logprobs"]) == k + 1
+    assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None] * 5
+    assert events[-1]["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+    assert events[-1]["output_ids"] == plain["output_ids"]
+    batch = sse_events(server.url + "/generate", {"input_ids": [[5, 9], [7]], "stream": True, "sampling_params": sp})
+    for i in (0, 1):
+        mine = [e for e in batch if e["index"] == i]
+        assert mine[-1]["meta_info"]["finish_reason"]["type"] == "length" and len(mine[-1]["output_ids"]) == 6

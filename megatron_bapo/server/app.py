@@ -109,6 +109,8 @@ async def generate(request: web.Request) -> web.Response:
     parsed = parse_generate(body, tokenize)
     _validate_items(state, parsed.items)
     rids = [it.rid for it in parsed.items]
+    if parsed.stream:
+        return await stream_generate(request, state, parsed)
     await state.enter_generate(rids)
     try:
         reqs = await run_items(state, parsed.items)
@@ -121,6 +123,46 @@ async def generate(request: web.Request) -> web.Response:
     # weight_version is read here, when the reply is built (SGLang semantics).
     outs = [build_output(r, weight_version=state.weight_version, tokenizer=state.tokenizer) for r in reqs]
     return web.json_response(outs[0] if parsed.single else outs)
+
+
+async def stream_generate(request: web.Request, state: ServerState, parsed) -> web.StreamResponse:
+    """`stream: true`: server-sent events with cumulative outputs (SGLang 0.5.15), `index` on batches,
+    an error event for a failed sequence, then `data: [DONE]`."""
+    rids = [it.rid for it in parsed.items]
+    await state.enter_generate(rids)
+    try:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        reqs = [state.engine.submit(
+            item,
+            on_done=lambda req, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, None)),
+            on_token=lambda req, n, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, n)))
+            for i, item in enumerate(parsed.items)]
+        remaining = len(reqs)
+        try:
+            while remaining:
+                i, upto = await events.get()
+                req = reqs[i]
+                code = (req.finish_reason or {}).get("status_code") if upto is None else None
+                if code in (400, 500, 503):
+                    chunk = {"error": {"message": req.finish_reason.get("message", ""), "code": code}}
+                else:
+                    chunk = build_output(req, weight_version=state.weight_version, tokenizer=state.tokenizer, upto=upto)
+                if not parsed.single:
+                    chunk["index"] = i
+                remaining -= upto is None
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            for item in parsed.items:
+                state.engine.abort(item.rid)
+            raise
+        await resp.write_eof()
+        return resp
+    finally:
+        await state.exit_generate(rids)
 
 
 async def health(request: web.Request) -> web.Response:

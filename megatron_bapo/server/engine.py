@@ -36,6 +36,8 @@ class Req:
     on_done: Callable[["Req"], None]
     stop_ids: frozenset
     generator: Optional[torch.Generator]
+    on_token: Optional[Callable[["Req", int], None]] = None
+    """Streaming: called with the number of output tokens after each token that did not finish it."""
     output_ids: list = dataclasses.field(default_factory=list)
     output_logprobs: list = dataclasses.field(default_factory=list)
     output_top: list = dataclasses.field(default_factory=list)
@@ -112,11 +114,12 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._shutdown
 
-    def submit(self, item: GenerateItem, on_done: Callable[[Req], None]) -> Req:
+    def submit(self, item: GenerateItem, on_done: Callable[[Req], None],
+               on_token: Optional[Callable[[Req, int], None]] = None) -> Req:
         sp = item.params
         stop = set() if sp.ignore_eos else set(self.eos_ids) | set(sp.stop_token_ids)
         gen = torch.Generator().manual_seed(sp.sampling_seed) if sp.sampling_seed is not None else None
-        req = Req(item=item, on_done=on_done, stop_ids=frozenset(stop), generator=gen)
+        req = Req(item=item, on_done=on_done, on_token=on_token, stop_ids=frozenset(stop), generator=gen)
         with self._cv:
             self._waiting.append(req)
             self._cv.notify_all()
@@ -365,6 +368,8 @@ class Engine:
         if reason is not None:
             self._finish(req, reason)
             return False
+        if req.on_token is not None:
+            req.on_token(req, len(req.output_ids))
         return True
 
     def _check_finished(self, req: Req, tok: int) -> Optional[dict]:

@@ -167,6 +167,7 @@ class GenerateRequest:
 
     items: list
     single: bool
+    stream: bool = False
 
 
 def _check_ids(ids: Any, where: str) -> list:
@@ -202,8 +203,8 @@ def parse_generate(body: Any, tokenize) -> GenerateRequest:
         raise RequestError("input_embeds is not supported by the built-in server; send input_ids")
     if text is None and input_ids is None:
         raise RequestError("Either text, input_ids or input_embeds should be provided.")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported by the built-in server; send stream=false")
+    if not isinstance(body.get("stream", False), (bool, type(None))):
+        raise RequestError("stream must be a boolean", shape=2)
     for key in ("image_data", "video_data", "audio_data", "lora_path", "session_params"):
         if body.get(key) is not None:
             raise RequestError(f"{key} is not supported by the built-in server")
@@ -278,7 +279,7 @@ def parse_generate(body: Any, tokenize) -> GenerateRequest:
                                       return_logprob=bool(ret_lp[i]), logprob_start_len=int(start[i]),
                                       top_logprobs_num=int(top[i]), return_text_in_logprobs=bool(rtext[i])))
     single_reply = single and params[0].n == 1
-    return GenerateRequest(items=items, single=single_reply)
+    return GenerateRequest(items=items, single=single_reply, stream=bool(body.get("stream")))
 
 
 def check_context(item: GenerateItem, context_length: int) -> None:

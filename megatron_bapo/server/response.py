@@ -19,12 +19,12 @@ def _decode(tokenizer, ids: list, params) -> str:
     return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
 
-def output_text(req: Req, tokenizer) -> Optional[str]:
+def output_text(req: Req, tokenizer, upto: Optional[int] = None) -> Optional[str]:
     """Decoded output with the matched stop token / string trimmed unless `no_stop_trim`."""
     if tokenizer is None:
         return None
     sp, reason = req.item.params, req.finish_reason or {}
-    ids = req.output_ids
+    ids = req.output_ids[:upto]
     matched = reason.get("matched") if reason.get("type") == "stop" else None
     if isinstance(matched, int) and not sp.no_stop_trim:
         ids = ids[:-1]
@@ -39,8 +39,11 @@ def output_text(req: Req, tokenizer) -> Optional[str]:
     return text
 
 
-def build_output(req: Req, *, weight_version: str, tokenizer) -> dict:
-    """One sequence's reply object: `text`, `output_ids`, `meta_info`."""
+def build_output(req: Req, *, weight_version: str, tokenizer, upto: Optional[int] = None) -> dict:
+    """One sequence's reply object: `text`, `output_ids`, `meta_info`. `upto` (streaming): only the
+    first `upto` output tokens, with `finish_reason` null (the request is still running)."""
+    if upto is not None:
+        return _partial_output(req, weight_version=weight_version, tokenizer=tokenizer, upto=upto)
     reason = req.finish_reason or {}
     item = req.item
     queued_abort = reason.get("type") == "abort" and not req.started
@@ -73,4 +76,23 @@ def build_output(req: Req, *, weight_version: str, tokenizer) -> dict:
     text = output_text(req, tokenizer)
     if text is not None:
         out = {"text": text, **out}
+    return out
+
+
+def _partial_output(req: Req, *, weight_version: str, tokenizer, upto: int) -> dict:
+    item = req.item
+    meta: dict = {"id": req.rid, "finish_reason": None, "weight_version": weight_version,
+                  "prompt_tokens": len(item.input_ids), "completion_tokens": upto, "cached_tokens": req.cached_tokens,
+                  "num_retractions": req.num_retractions, "reasoning_tokens": 0,
+                  "e2e_latency": time.monotonic() - req.t_start}
+    if item.return_logprob:
+        meta["input_token_logprobs"] = req.input_logprobs
+        meta["output_token_logprobs"] = req.output_logprobs[:upto]
+        meta["output_token_logprobs_length"] = upto
+        if item.top_logprobs_num:
+            meta["input_top_logprobs"] = req.input_top
+            meta["output_top_logprobs"] = req.output_top[:upto]
+    out: dict = {"output_ids": req.output_ids[:upto], "meta_info": meta}
+    if tokenizer is not None:
+        out = {"text": _decode(tokenizer, req.output_ids[:upto], item.params), **out}
     return out
