@@ -19,7 +19,8 @@ import torch
 from aiohttp import web
 
 from megatron_bapo.server.config import ServerConfig
-from megatron_bapo.server.engine import Engine, LockedTokenizer, Req
+from megatron_bapo.server.engine import Engine
+from megatron_bapo.server.req import LockedTokenizer, Req
 from megatron_bapo.server.protocol import GenerateItem, RequestError, SamplingParams, check_context, parse_generate
 from megatron_bapo.server.response import build_output
 from megatron_bapo.server.state import ServerState

@@ -9,10 +9,8 @@ per-request `on_done` callback.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
-import time
 from typing import Callable, Optional
 
 import torch
@@ -20,62 +18,13 @@ import torch
 from megatron_bapo.server.kv import BatchKV
 from megatron_bapo.server.prefill import batched_prefill, chunk_by_tokens
 from megatron_bapo.server.protocol import GenerateItem
+from megatron_bapo.server.req import Req, abort_reason
 from megatron_bapo.server.sampling import adjust_logits, choose_plain_batch, choose_token, is_plain, top_logprobs
 
 logger = logging.getLogger(__name__)
 
 PREFILL_MAX_TOKENS = 8192
 """Padded tokens per batched prefill forward (bounds the activation memory of one prefill)."""
-
-
-@dataclasses.dataclass(eq=False)
-class Req:
-    """One sequence being generated (an `n > 1` request is n of these)."""
-
-    item: GenerateItem
-    on_done: Callable[["Req"], None]
-    stop_ids: frozenset
-    generator: Optional[torch.Generator]
-    on_token: Optional[Callable[["Req", int], None]] = None
-    """Streaming: called with the number of output tokens after each token that did not finish it."""
-    output_ids: list = dataclasses.field(default_factory=list)
-    output_logprobs: list = dataclasses.field(default_factory=list)
-    output_top: list = dataclasses.field(default_factory=list)
-    input_logprobs: list = dataclasses.field(default_factory=list)
-    input_top: list = dataclasses.field(default_factory=list)
-    finish_reason: Optional[dict] = None
-    cached_tokens: int = 0
-    num_retractions: int = 0
-    started: bool = False
-    t_start: float = dataclasses.field(default_factory=time.monotonic)
-
-    @property
-    def rid(self) -> str:
-        return self.item.rid
-
-
-class LockedTokenizer:
-    """A tokenizer shared by the HTTP thread and the scheduler thread, one call at a time (Rust fast
-    tokenizers raise "Already borrowed" if one thread changes truncation/padding while another encodes)."""
-
-    def __init__(self, tokenizer):
-        self._tok = tokenizer
-        self._lock = threading.Lock()
-
-    def __call__(self, *args, **kwargs):
-        with self._lock:
-            return self._tok(*args, **kwargs)
-
-    def decode(self, *args, **kwargs):
-        with self._lock:
-            return self._tok.decode(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
-
-
-def _abort_reason(message: str) -> dict:
-    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
 
 class Engine:
@@ -200,7 +149,7 @@ class Engine:
             leftover = self._waiting + self._running
             self._waiting, self._running = [], []
         for req in leftover:
-            self._finish(req, _abort_reason("Server shutting down"))
+            self._finish(req, abort_reason("Server shutting down"))
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.finish_reason = reason
@@ -226,9 +175,9 @@ class Engine:
         if stopped:
             self._kv.keep(keep)
         for req in dropped:
-            self._finish(req, _abort_reason("Aborted" if req.started else "Abort in waiting queue"))
+            self._finish(req, abort_reason("Aborted" if req.started else "Abort in waiting queue"))
         for req in stopped:
-            self._finish(req, _abort_reason("Aborted"))
+            self._finish(req, abort_reason("Aborted"))
 
     def _admit(self) -> None:
         with self._cv:

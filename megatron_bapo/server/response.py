@@ -10,7 +10,7 @@ import re
 import time
 from typing import Optional
 
-from megatron_bapo.server.engine import Req
+from megatron_bapo.server.req import Req
 
 
 def _decode(tokenizer, ids: list, params) -> str:
