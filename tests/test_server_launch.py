@@ -3,6 +3,7 @@ with the server's log tail instead of hanging."""
 
 from __future__ import annotations
 
+import json
 import os
 import urllib.request
 
@@ -73,3 +74,38 @@ def test_server_exits_when_its_launcher_is_killed(tmp_path, tiny_hf_dir):
             break
         assert time.monotonic() < deadline, f"server pid {server_pid} outlived its killed launcher"
         time.sleep(0.2)
+
+
+def test_api_key_and_graceful_sigterm_with_a_request_in_flight(tiny_hf_dir):
+    """--api-key: 401 without the bearer key except on /health; SIGTERM answers in-flight calls."""
+    import threading
+    import urllib.error
+
+    def post(url: str, body: dict, key=None):
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"null")
+
+    with start_server(tiny_hf_dir, extra_args=["--api-key", "s3cret", "--context-length", "4096"]) as handle:
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        assert post(handle.url + "/generate", body) == (401, {"error": "Unauthorized"})
+        assert post(handle.url + "/generate", body, key="wrong")[0] == 401
+        assert post(handle.url + "/generate", body, key="s3cret")[0] == 200
+        result = {}
+        long_body = {"input_ids": [3], "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+        worker = threading.Thread(target=lambda: result.update(r=post(handle.url + "/generate", long_body, "s3cret")))
+        worker.start()
+        while True:  # wait until it runs
+            req = urllib.request.Request(handle.url + "/v1/loads", headers={"Authorization": "Bearer s3cret"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                if json.loads(resp.read())["loads"][0]["num_running_reqs"]:
+                    break
+        assert handle.stop() == 0  # SIGTERM: clean exit
+        worker.join(timeout=60)
+    status, out = result["r"]
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) < 4000

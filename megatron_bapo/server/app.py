@@ -63,8 +63,9 @@ async def error_middleware(request: web.Request, handler):
     """RequestError -> SGLang's 400 shapes; API key check when configured."""
     state = request.app[STATE_KEY]
     key = state.config.api_key
-    if key and request.headers.get("Authorization", "") != f"Bearer {key}":
-        return web.json_response({"error": {"message": "Unauthorized: missing or wrong API key"}}, status=401)
+    # As SGLang: /health* stays open (probes and launchers), everything else needs the bearer key.
+    if key and not request.path.startswith("/health") and request.headers.get("Authorization", "") != f"Bearer {key}":
+        return web.json_response({"error": "Unauthorized"}, status=401)
     try:
         return await handler(request)
     except RequestError as exc:
