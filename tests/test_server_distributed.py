@@ -18,7 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_bapo.server.distributed import destroy_weights_update_group, init_weights_update_group
+from megatron_bapo.server.distributed import (
+    broadcast_weights,
+    destroy_weights_update_group,
+    init_weights_update_group,
+    update_request_body,
+)
 from megatron_bapo.server.launch import start_server
 
 POOL = ThreadPoolExecutor(4)
@@ -82,13 +87,13 @@ def test_gloo_distributed_update_matches_trainer_weights(server, other_model):
         assert init.result(timeout=120) == (200, {"success": True,
                                                   "message": "Succeeded to initialize custom process group."})
         params = [(n, p.detach()) for n, p in other_model.named_parameters()]
-        body = {"names": [n for n, _ in params], "dtypes": [str(p.dtype).replace("torch.", "") for _, p in params],
-                "shapes": [list(p.shape) for _, p in params], "group_name": group, "weight_version": "d1",
-                "flush_cache": False}
-        reply = POOL.submit(http, url + "/update_weights_from_distributed", body)
-        for _, p in params:
-            dist.broadcast(p.contiguous(), src=0, group=pg)
-        status, out = reply.result(timeout=120)
+        half = len(params) // 2  # two buckets: one tensor per broadcast, then one flattened broadcast
+        for bucket, flat in ((params[:half], False), (params[half:], True)):
+            body = update_request_body(bucket, group_name=group, weight_version="d1", flattened=flat)
+            reply = POOL.submit(http, url + "/update_weights_from_distributed", body)
+            broadcast_weights(pg, bucket, flattened=flat)
+            status, out = reply.result(timeout=120)
+            assert status == 200 and out["success"] is True, out
         assert status == 200 and out["success"] is True, out
         ids, lps = served_logprobs(url, prompt, 8)
         assert (ids, lps) != before

@@ -64,6 +64,30 @@ def destroy_weights_update_group(pg) -> None:
         pass
 
 
+def update_request_body(named: list, *, group_name: str = DEFAULT_GROUP, weight_version: Optional[str] = None,
+                        flattened: bool = False) -> dict:
+    """Trainer side: the `/update_weights_from_distributed` JSON for `named` = [(hf_name, tensor)]."""
+    body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named], "group_name": group_name, "flush_cache": False,
+            "weight_version": weight_version}
+    if flattened:
+        body["load_format"] = "flattened_bucket"
+    return body
+
+
+def broadcast_weights(pg, named: list, *, flattened: bool = False) -> None:
+    """Trainer side (rank 0): broadcast `named` in list order, matching `receive_tensors` on the servers.
+    Post the update request first (asynchronously), then call this, then await the replies."""
+    if flattened:
+        dtypes = {t.dtype for _, t in named}
+        if len(dtypes) != 1:
+            raise ValueError(f"a flattened bucket needs one dtype, got {sorted(map(str, dtypes))}")
+        dist.broadcast(torch.cat([t.detach().reshape(-1) for _, t in named]), src=0, group=pg)
+        return
+    for _, t in named:
+        dist.broadcast(t.detach().contiguous(), src=0, group=pg)
+
+
 def _dtype(name: str) -> torch.dtype:
     dt = getattr(torch, str(name).replace("torch.", ""), None)
     if not isinstance(dt, torch.dtype):
@@ -71,11 +95,12 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
-def receive_tensors(pg, names: list, dtypes: list, shapes: list, flattened: bool) -> list:
-    """Receive the broadcasts of rank 0 in list order; returns [(name, tensor)]."""
+def receive_tensors(pg, names: list, dtypes: list, shapes: list, flattened: bool, device: str = "cpu") -> list:
+    """Receive the broadcasts of rank 0 in list order; returns [(name, tensor)] on `device`
+    ("cuda" for nccl: NCCL only moves GPU memory; the copy into the CPU model happens at load)."""
     if flattened:
         numels = [int(torch.Size(s).numel()) for s in shapes]
-        flat = torch.empty(sum(numels), dtype=dtypes[0])
+        flat = torch.empty(sum(numels), dtype=dtypes[0], device=device)
         dist.broadcast(flat, src=0, group=pg)
         out, offset = [], 0
         for name, shape, numel in zip(names, shapes, numels):
@@ -84,7 +109,7 @@ def receive_tensors(pg, names: list, dtypes: list, shapes: list, flattened: bool
         return out
     out = []
     for name, dtype, shape in zip(names, dtypes, shapes):
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(t, src=0, group=pg)
         out.append((name, t))
     return out
@@ -110,7 +135,7 @@ async def init_group(request: web.Request) -> web.Response:
     except Exception as exc:  # noqa: BLE001
         logger.warning("init_weights_update_group failed: %s", exc)
         return _fail(f"Failed to initialize custom process group: {exc}.")
-    state.weight_groups[group_name] = pg
+    state.weight_groups[group_name] = (pg, backend)
     logger.info("joined weight update group %s as rank %d of %d (%s)", group_name, offset, world, backend)
     return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
@@ -127,9 +152,10 @@ async def update_from_distributed(request: web.Request) -> web.Response:
             len(names) == len(dtypes) == len(shapes)):
         raise RequestError("names, dtypes and shapes must be lists of the same length")
     group_name = str(body.get("group_name") or DEFAULT_GROUP)
-    pg = state.weight_groups.get(group_name)
-    if pg is None:
+    if group_name not in state.weight_groups:
         raise RequestError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
+    pg, backend = state.weight_groups[group_name]
+    device = "cuda" if backend == "nccl" else "cpu"
     torch_dtypes = [_dtype(d) for d in dtypes]
     load_format: Optional[str] = body.get("load_format")
     flattened = load_format == "flattened_bucket"
@@ -143,7 +169,7 @@ async def update_from_distributed(request: web.Request) -> web.Response:
         taken = await state.acquire_writer(abort_all)
         try:
             try:
-                named = await asyncio.to_thread(receive_tensors, pg, names, torch_dtypes, shapes, flattened)
+                named = await asyncio.to_thread(receive_tensors, pg, names, torch_dtypes, shapes, flattened, device)
             except Exception as exc:  # noqa: BLE001
                 return _fail(f"Failed to receive weights: {exc}. Weights may be partially updated; discard them.")
             try:
@@ -167,10 +193,10 @@ async def destroy_group(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     body = read_object(await read_json(request), "/destroy_weights_update_group")
     group_name = str(body.get("group_name") or DEFAULT_GROUP)
-    pg = state.weight_groups.pop(group_name, None)
-    if pg is None:
+    entry = state.weight_groups.pop(group_name, None)
+    if entry is None:
         return _fail(f"no weight update group {group_name!r}")
-    destroy_weights_update_group(pg)
+    destroy_weights_update_group(entry[0])
     return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
 

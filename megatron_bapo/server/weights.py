@@ -68,6 +68,6 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
     count = 0
     with torch.no_grad():
         for name, tensor in named:
-            params[name].copy_(tensor.to(params[name].dtype))
+            params[name].copy_(tensor)  # casts dtype and moves device (e.g. from a CUDA receive buffer)
             count += 1
     return count
