@@ -358,3 +358,28 @@ def test_streaming_is_cumulative_and_ends_like_non_streaming(server):
     for i in (0, 1):
         mine = [e for e in batch if e["index"] == i]
         assert mine[-1]["meta_info"]["finish_reason"]["type"] == "length" and len(mine[-1]["output_ids"]) == 6
+
+
+def test_max_total_tokens_limits_admission_in_process(tiny_hf_dir):
+    """Each request reserves prompt + max_new_tokens; with room for one, they run one at a time."""
+    import threading
+
+    from megatron_bapo.server.app import build_state
+    from megatron_bapo.server.config import ServerConfig
+    from megatron_bapo.server.protocol import GenerateItem, SamplingParams
+
+    state = build_state(ServerConfig(model_path=str(tiny_hf_dir), max_total_tokens=100).validate())
+    engine = state.engine
+    seen_running, done, finished = [], threading.Semaphore(0), []
+    engine.start()
+    try:
+        for i in range(3):
+            engine.submit(GenerateItem(input_ids=[10 + i] * 10, rid=f"m{i}",
+                                       params=SamplingParams(max_new_tokens=50, ignore_eos=True)),
+                          on_done=lambda req: (finished.append(req), done.release()),
+                          on_token=lambda req, n: seen_running.append(engine.loads()[0]))
+        for _ in range(3):
+            assert done.acquire(timeout=120)
+    finally:
+        engine.shutdown()
+    assert max(seen_running) == 1 and all(len(r.output_ids) == 50 for r in finished)

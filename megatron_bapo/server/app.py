@@ -211,7 +211,8 @@ async def get_model_info(request: web.Request) -> web.Response:
 def load_entry(state: ServerState) -> dict:
     running, waiting, used = state.engine.loads()
     return {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
-            "num_used_tokens": used, "num_total_tokens": state.context_length * state.config.max_running_requests}
+            "num_used_tokens": used,
+            "num_total_tokens": state.config.max_total_tokens or state.context_length * state.config.max_running_requests}
 
 
 async def get_server_info(request: web.Request) -> web.Response:
@@ -264,7 +265,8 @@ def build_state(config: ServerConfig) -> ServerState:
     model = load_model(config.model_path)
     ctx = config.context_length or int(getattr(model.config, "max_position_embeddings", 0) or 4096)
     engine = Engine(model, tokenizer, eos_ids=eos_token_ids(model, tokenizer), max_running=config.max_running_requests,
-                    seed=config.random_seed, original_logprob=config.return_original_logprob)
+                    seed=config.random_seed, original_logprob=config.return_original_logprob,
+                    max_total_tokens=config.max_total_tokens)
     return ServerState(config=config, engine=engine, tokenizer=tokenizer, model_path=config.model_path,
                        weight_version=config.weight_version, context_length=ctx,
                        vocab_size=int(model.get_input_embeddings().weight.shape[0]))

@@ -33,6 +33,8 @@ class ServerConfig:
     """Max prompt + output tokens; defaults to the model's `max_position_embeddings`."""
     max_running_requests: int = 256
     """Requests decoded together at most; the rest wait in the queue."""
+    max_total_tokens: Optional[int] = None
+    """KV budget: running requests reserve prompt + max_new_tokens each; None = no limit (tiny models)."""
     random_seed: int = 0
     """Seed of the server-wide sampling generator (requests without `sampling_seed`)."""
     weight_version: str = "default"
@@ -59,6 +61,8 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.context_length must be >= 2, got {self.context_length}")
         if self.max_running_requests < 1:
             raise ValueError(f"ServerConfig.max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"ServerConfig.max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"ServerConfig.num_threads must be >= 1, got {self.num_threads}")
         return self
@@ -69,7 +73,7 @@ class ServerConfig:
 IGNORED_SGLANG_FLAGS: dict[str, object] = {
     "--tp-size": None, "--tp": None, "--dp-size": None, "--dp": None, "--pp-size": None, "--ep-size": None,
     "--mem-fraction-static": None, "--trust-remote-code": 0, "--dtype": None, "--kv-cache-dtype": None,
-    "--chunked-prefill-size": None, "--max-prefill-tokens": None, "--max-total-tokens": None,
+    "--chunked-prefill-size": None, "--max-prefill-tokens": None,
     "--cuda-graph-max-bs": None, "--cuda-graph-bs": "*", "--disable-cuda-graph": 0, "--disable-radix-cache": 0,
     "--attention-backend": None, "--sampling-backend": None, "--schedule-policy": None,
     "--enable-memory-saver": 0, "--enable-metrics": 0, "--log-requests": 0, "--log-requests-level": None,
@@ -95,6 +99,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--api-key", default=None)

@@ -27,14 +27,21 @@ PREFILL_MAX_TOKENS = 8192
 """Padded tokens per batched prefill forward (bounds the activation memory of one prefill)."""
 
 
+def _reserve(req: Req) -> int:
+    """KV tokens a request may need: its prompt plus its whole output budget."""
+    return len(req.item.input_ids) + int(req.item.params.max_new_tokens)
+
+
 class Engine:
     """Owns the model and the scheduler thread. All public methods are thread-safe."""
 
-    def __init__(self, model, tokenizer, *, eos_ids, max_running: int, seed: int, original_logprob: bool):
+    def __init__(self, model, tokenizer, *, eos_ids, max_running: int, seed: int, original_logprob: bool,
+                 max_total_tokens: Optional[int] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.max_running = max_running
+        self.max_total_tokens = max_total_tokens
         self.original_logprob = original_logprob
         self.generator = torch.Generator().manual_seed(seed)
         self.step_lock = threading.RLock()
@@ -184,7 +191,19 @@ class Engine:
             room = self.max_running - len(self._running)
             if room <= 0 or not self._waiting:
                 return
-            batch, self._waiting = self._waiting[:room], self._waiting[room:]
+            count = min(room, len(self._waiting))
+            if self.max_total_tokens is not None:
+                # Reserve prompt + max_new_tokens per request; FIFO, so a big request is not starved.
+                reserved = sum(_reserve(r) for r in self._running)
+                count = 0
+                for req in self._waiting[:room]:
+                    if reserved + _reserve(req) > self.max_total_tokens and (count or self._running):
+                        break
+                    reserved += _reserve(req)
+                    count += 1
+                if count == 0:
+                    return
+            batch, self._waiting = self._waiting[:count], self._waiting[count:]
         groups: dict[tuple, list[Req]] = {}
         for req in batch:
             groups.setdefault(tuple(req.item.input_ids + req.output_ids), []).append(req)
