@@ -127,12 +127,16 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
                 return web.json_response({"success": False, "num_paused_requests": 0,
                                           "message": f"Failed to get weights iterator: {exc}. "
                                                      "Rolled back to the previous weights."}, status=400)
-            await asyncio.shield(asyncio.to_thread(state.engine.swap_model, model))
-            state.model_path = path
-            state.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+            def swap() -> None:  # one unit in a thread: a client disconnect cannot split it
+                state.engine.swap_model(model)
+                state.model_path = path
+                state.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+                if version is not None:
+                    state.weight_version = version
+
+            await asyncio.shield(asyncio.to_thread(swap))
             message = "Succeeded to update model weights."
             if version is not None:
-                state.weight_version = version
                 message += f" Weight version updated to {version}."
         finally:
             await state.release_writer(taken)

@@ -168,16 +168,23 @@ async def update_from_distributed(request: web.Request) -> web.Response:
     async with state.update_lock:
         taken = await state.acquire_writer(abort_all)
         try:
-            try:
-                named = await asyncio.to_thread(receive_tensors, pg, names, torch_dtypes, shapes, flattened, device)
-            except Exception as exc:  # noqa: BLE001
-                return _fail(f"Failed to receive weights: {exc}. Weights may be partially updated; discard them.")
-            try:
-                await asyncio.to_thread(_load, state.engine, named)
-            except ValueError as exc:
-                return _fail(f"Failed to update weights: {exc}. The served weights are unchanged.")
-            if version is not None:
-                state.weight_version = str(version)
+            def receive_and_load() -> Optional[str]:
+                """One unit in a thread (a client disconnect cannot split it); an error message or None."""
+                try:
+                    named = receive_tensors(pg, names, torch_dtypes, shapes, flattened, device)
+                except Exception as exc:  # noqa: BLE001
+                    return f"Failed to receive weights: {exc}. Weights may be partially updated; discard them."
+                try:
+                    _load(state.engine, named)
+                except ValueError as exc:
+                    return f"Failed to update weights: {exc}. The served weights are unchanged."
+                if version is not None:
+                    state.weight_version = str(version)
+                return None
+
+            error = await asyncio.shield(asyncio.to_thread(receive_and_load))
+            if error is not None:
+                return _fail(error)
         finally:
             await state.release_writer(taken)
     return web.json_response({"success": True, "message": "Succeeded to update parameter online from distributed."})
