@@ -278,3 +278,60 @@ def test_broken_checkpoint_update_rolls_back(server, tiny_hf_dir, tmp_path):
     assert status == 400 and reply["success"] is False
     assert http(server.url + "/get_weight_version", method="GET")[1]["weight_version"] == version
     assert greedy_lp(server.url, [8, 9], 6) == before
+
+
+def test_update_without_pause_waits_for_inflight_decoding(server, tiny_hf_dir, other_ckpt):
+    """Writer lock: a request running when an update arrives finishes entirely on the old weights
+    (its log-probs match the old model token for token) and carries the old version."""
+    from transformers import AutoModelForCausalLM
+
+    url = server.url
+    assert http(url + "/update_weights_from_disk", {"model_path": str(tiny_hf_dir), "weight_version": "old"})[0] == 200
+    prompt = [41, 42]
+    fut = bg(url + "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}})
+    wait_running(url, 1)
+    update = bg(url + "/update_weights_from_disk", {"model_path": str(other_ckpt), "weight_version": "new"})
+    status, out = fut.result(timeout=120)
+    assert status == 200 and out["meta_info"]["weight_version"] == "old"
+    assert update.result(timeout=120)[0] == 200
+    old = AutoModelForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(old(input_ids=torch.tensor([prompt + out["output_ids"]])).logits[0], dim=-1)
+    expected = [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(out["output_ids"])]
+    got = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
+    assert http(url + "/update_weights_from_disk", {"model_path": str(tiny_hf_dir)})[0] == 200
+
+
+def test_stress_aborts_pauses_and_updates_lose_nothing(server, tiny_hf_dir):
+    """Many concurrent requests while rids are aborted and the server is paused in every mode and
+    updated: every call returns 200 with a consistent reply, and the server ends idle."""
+    import random
+
+    url, rng = server.url, random.Random(0)
+    bodies = [{"input_ids": [rng.randrange(3, 300) for _ in range(rng.randrange(1, 20))], "rid": f"stress_{i:03d}",
+               "return_logprob": True,
+               "sampling_params": {"max_new_tokens": rng.choice([1, 5, 40, 300]), "ignore_eos": True,
+                                   "temperature": rng.choice([0.0, 1.0])}} for i in range(24)]
+    futs = [POOL.submit(http, url + "/generate", b) for b in bodies[:8]]
+    stress_pool = ThreadPoolExecutor(16)
+    futs += [stress_pool.submit(http, url + "/generate", b) for b in bodies[8:]]
+    for step, mode in enumerate(["retract", "in_place", "abort", "retract"]):
+        http(url + "/abort_request", {"rid": f"stress_{rng.randrange(24):03d}"})
+        assert http(url + "/pause_generation", {"mode": mode})[0] == 200
+        assert http(url + "/update_weights_from_disk", {"model_path": str(tiny_hf_dir), "weight_version": f"s{step}"})[0] == 200
+        assert http(url + "/continue_generation", {})[0] == 200
+    for body, fut in zip(bodies, futs):
+        status, out = fut.result(timeout=300)
+        assert status == 200, out
+        meta, limit = out["meta_info"], body["sampling_params"]["max_new_tokens"]
+        assert meta["id"] == body["rid"] and len(out["output_ids"]) <= limit
+        assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+        reason = meta["finish_reason"]
+        assert reason["type"] in ("length", "abort")
+        if reason["type"] == "length":
+            assert len(out["output_ids"]) == limit == reason["length"]
+    stress_pool.shutdown()
+    wait_idle(url)
+    assert http(url + "/flush_cache")[0] == 200
