@@ -335,3 +335,34 @@ def test_stress_aborts_pauses_and_updates_lose_nothing(server, tiny_hf_dir):
     stress_pool.shutdown()
     wait_idle(url)
     assert http(url + "/flush_cache")[0] == 200
+
+
+def test_arbitrary_control_bodies_get_200_or_400_never_500(server):
+    """Property: any JSON to the control endpoints is a 200 or a 400 (never a 500), and afterwards
+    the server still generates. (init_weights_update_group is left out: a valid body rendezvouses.)"""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    url = server.url
+    values = st.one_of(st.none(), st.booleans(), st.integers(-2, 3), st.text(max_size=6),
+                       st.sampled_from(["abort", "retract", "in_place", "/nonexistent", "float32"]),
+                       st.lists(st.integers(0, 3), max_size=2))
+    keys = st.sampled_from(["rid", "abort_all", "mode", "new_version", "abort_all_requests", "model_path",
+                            "weight_version", "names", "dtypes", "shapes", "group_name", "load_format", "tags"])
+    endpoints = st.sampled_from(["/abort_request", "/flush_cache", "/pause_generation", "/continue_generation",
+                                 "/update_weight_version", "/update_weights_from_disk",
+                                 "/update_weights_from_distributed", "/destroy_weights_update_group",
+                                 "/release_memory_occupation", "/resume_memory_occupation",
+                                 "/update_weights_from_tensor"])
+    bodies = st.one_of(st.dictionaries(keys, values, max_size=4), values)
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(endpoints, bodies)
+    def check(endpoint, body):
+        status, out = http(url + endpoint, body, timeout=60)
+        assert status in (200, 400), (endpoint, body, status, out)
+        http(url + "/continue_generation", {})
+
+    check()
+    assert http(url + "/continue_generation", {})[0] == 200
+    assert http(url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})[0] == 200
