@@ -124,3 +124,29 @@ def test_nccl_without_cuda_and_unknown_group_are_rejected(server):
     status, out = http(server.url + "/update_weights_from_distributed", {
         "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
     assert status == 400 and "nope" in out["error"]["message"]
+
+
+def test_sender_syncs_two_servers_in_one_group(server, tiny_hf_dir, tmp_path):
+    """DistributedWeightSender: two servers (ranks 1 and 2 of 3), bucketed, version on the last bucket;
+    both then serve the new weights' log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_bapo.server.weight_sender import DistributedWeightSender
+    from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
+
+    new = AutoModelForCausalLM.from_pretrained(make_tiny_hf_checkpoint(tmp_path / "new", seed=5),
+                                               dtype=torch.float32).eval()
+    params = [(n, p.detach()) for n, p in new.named_parameters()]
+    with start_server(tiny_hf_dir) as second:
+        sender = DistributedWeightSender([server.url, second.url], backend="gloo", group_name="two_servers",
+                                         timeout_s=120)
+        sender.connect()
+        try:
+            assert sender.send([params[:5], params[5:]], weight_version="s1") == len(params)
+        finally:
+            sender.close()
+        prompt = [21, 22, 23]
+        for url in (server.url, second.url):
+            ids, lps = served_logprobs(url, prompt, 6)
+            torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_logprobs(new, prompt, ids)), atol=1e-4, rtol=0)
+            assert http(url + "/get_weight_version", method="GET")[1] == {"weight_version": "s1"}
