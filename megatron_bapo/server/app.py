@@ -79,6 +79,9 @@ def _validate_items(state: ServerState, items: list[GenerateItem]) -> None:
         if bad:
             raise RequestError(f"input_ids contain token id {bad[0]} outside the vocabulary [0, {state.vocab_size})")
         check_context(item, state.context_length)
+        if state.tokenizer is None and (item.params.stop or item.params.stop_regex):
+            raise RequestError("stop strings need the tokenizer (server started with --skip-tokenizer-init); "
+                               "use stop_token_ids")
         if item.rid in seen or item.rid in state.active_rids:
             raise RequestError("Duplicate request ID detected.")
         seen.add(item.rid)

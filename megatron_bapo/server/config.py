@@ -49,8 +49,11 @@ class ServerConfig:
     """False (SGLang's default): a returned log-prob is from the temperature-scaled distribution
     (before top-p/top-k/min-p filtering). True: from the raw model distribution (temperature 1)."""
     served_model_name: Optional[str] = None
+    """Name reported by /get_model_info (default: the model path)."""
     log_level: str = "info"
+    """Python logging level of the server process."""
     skip_tokenizer_init: bool = False
+    """No tokenizer: `text` prompts are rejected and replies carry no `text` (ids only)."""
 
     def validate(self) -> "ServerConfig":
         if not self.model_path:

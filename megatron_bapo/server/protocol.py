@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import uuid
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 
 class RequestError(Exception):
@@ -298,10 +298,3 @@ def check_context(item: GenerateItem, context_length: int) -> None:
             f"You requested a total of {num_in + sp.max_new_tokens} tokens: {num_in} tokens from the input "
             f"messages and {sp.max_new_tokens} tokens for the completion. Please reduce the number of tokens "
             "in the input messages or the completion to fit within the limit.")
-
-
-def error_json(message: str, status: int = 400, shape: int = 1) -> dict:
-    return RequestError(message, status=status, shape=shape).body()
-
-
-JsonValue = Union[dict, list, str, int, float, None]
