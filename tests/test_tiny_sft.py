@@ -1,0 +1,100 @@
+"""SFT warm start, answer decoding and the make_tiny CLI on the real tiny model (small and fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from megatron_bapo.tiny.checkpoint import build_tiny_model
+from megatron_bapo.tiny.decode import answer_accuracy, generate_answers
+from megatron_bapo.tiny.sft import IGNORE_INDEX, SFTConfig, make_sft_batch, run_sft
+from megatron_bapo.tiny.task import TaskConfig, generate_splits
+from megatron_bapo.tiny.tokenizer import build_tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_sft_batch_labels_only_answer_and_eos():
+    tok = build_tiny_tokenizer()
+    batch = make_sft_batch(tok, [{"prompt": "7+5=", "answer": "21"}, {"prompt": "47+38=", "answer": "58"}])
+    assert batch["input_ids"].shape == (2, 9)
+    assert tok.decode(batch["input_ids"][0, :7].tolist()) == "7+5=21<|endoftext|>"
+    labels = batch["labels"][0].tolist()
+    assert labels[:4] == [IGNORE_INDEX] * 4 and labels[4:7] == tok.encode("21") + [tok.eos_token_id]
+    assert labels[7:] == [IGNORE_INDEX] * 2 and batch["attention_mask"][0].tolist() == [1] * 7 + [0] * 2
+    assert (batch["labels"][1] != IGNORE_INDEX).sum() == 3
+
+
+def test_sft_lowers_loss_and_is_deterministic():
+    tok = build_tiny_tokenizer()
+    train, _ = generate_splits(TaskConfig(num_train=500, num_test=10))
+    config = SFTConfig(max_steps=40, batch_size=32, lr=3e-3, eval_every=20, num_eval=20, target_accuracy=2.0)
+    results, params = [], []
+    for _ in range(2):
+        model = build_tiny_model(tok, seed=1)
+        results.append(run_sft(model, tok, train, config))
+        params.append(model.model.embed_tokens.weight.detach().clone())
+    first, second = results
+    assert first.num_steps == 40 and first.stopped_because == "max_steps"
+    assert [c["step"] for c in first.curve] == [20, 40]
+    assert sum(first.losses[-5:]) / 5 < 0.6 * sum(first.losses[:5]) / 5
+    assert first.losses == second.losses and torch.equal(params[0], params[1])
+
+
+def test_sft_stops_at_target_after_min_steps():
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, seed=2)
+    prompts = [r["prompt"] for r in generate_splits(TaskConfig(num_train=60, num_test=1))[0]]
+    # References = the model's own greedy outputs, so accuracy is ~1 at once (lr ~0 keeps the model).
+    rows = [{"prompt": p, "answer": a} for p, a in zip(prompts, generate_answers(model, tok, prompts))
+            if a and not any(c.isspace() for c in a)]
+    assert len(rows) >= 10
+    config = SFTConfig(max_steps=9, batch_size=8, lr=1e-12, eval_every=3, num_eval=10, target_accuracy=0.9)
+    result = run_sft(model, tok, rows, config)
+    assert (result.stopped_because, result.num_steps) == ("target_reached", 3)
+    result = run_sft(model, tok, rows, SFTConfig(**{**config.__dict__, "min_steps": 5}))
+    assert (result.stopped_because, result.num_steps) == ("target_reached", 6)
+    assert [c["step"] for c in result.curve] == [3, 6]
+
+
+def test_greedy_decoding_matches_hf_generate():
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, seed=2)
+    prompts = ["1+2=", "47+38=", "9+10=", "99+99="]
+    ours = generate_answers(model, tok, prompts, max_new_tokens=5)
+    for prompt, answer in zip(prompts, ours):
+        out = model.generate(torch.tensor([tok.encode(prompt)]), max_new_tokens=5, do_sample=False)
+        text = tok.decode(out[0, len(tok.encode(prompt)):].tolist(), skip_special_tokens=False)
+        assert text.split("<|endoftext|>")[0].replace("<|pad|>", "") == answer
+    rows = [{"prompt": p, "answer": a} for p, a in zip(prompts, ours) if a.strip() and " " not in a.strip()]
+    assert rows  # the model's own greedy outputs, used as references, score 1.0 greedily
+    assert answer_accuracy(model, tok, rows, max_new_tokens=5) == 1.0
+
+
+def test_make_tiny_cli_builds_and_refuses_to_overwrite(tmp_path):
+    out = tmp_path / "tiny"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cmd = [sys.executable, str(REPO / "tools" / "make_tiny.py"), "--out", str(out), "--sft-steps", "4", "--seed", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    info = json.loads((out / "info.json").read_text())
+    assert summary["base_accuracy"] == info["base_accuracy"]
+    assert info["sft"]["num_steps"] == 4 and info["config"]["seed"] == 3
+    assert 0.0 <= info["base_accuracy"]["greedy"] <= 1.0 and info["base_accuracy"]["num_problems"] == 500
+    train = (out / "data" / "train.jsonl").read_text().splitlines()
+    assert len(train) == 4000 and {"prompt", "answer"} <= set(json.loads(train[0]))
+    model = AutoModelForCausalLM.from_pretrained(out / "base_model")
+    assert model.config.hidden_size == 128 and model.config.num_hidden_layers == 4
+    assert len(AutoTokenizer.from_pretrained(out / "base_model")) == model.config.vocab_size
+
+    before = (out / "info.json").read_bytes()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert again.returncode == 2 and "--force" in again.stderr
+    assert (out / "info.json").read_bytes() == before
