@@ -2,7 +2,8 @@
 
     python -m megatron_bapo.train --config examples/configs/tiny_bapo.yaml trainer.total_steps=50
 
-Sections: `trainer` (loop, checkpoints, logging), `model` (the initial HF policy), `data` (prompts),
+Sections: `trainer` (loop, checkpoints, logging), `model` (the initial HF policy), `data` (prompts,
+`megatron_bapo.data.DatasetConfig`),
 `rollout` (servers, group sampling, partial rollout), `reward`, `advantage`, `actor` (the Megatron
 actor, `megatron_bapo.actor.ActorConfig`), `sync` (weight sync to the servers), `eval` (periodic
 validation, `megatron_bapo.eval.EvalConfig`). `bapo_preset` picks a named BAPO configuration
@@ -21,6 +22,7 @@ import yaml
 from megatron_bapo.actor.config import ActorConfig
 from megatron_bapo.algorithms.config import BapoConfig
 from megatron_bapo.config_io import ConfigError, apply_overrides, from_dict, to_dict
+from megatron_bapo.data.config import DatasetConfig
 from megatron_bapo.eval.config import EvalConfig
 
 
@@ -65,24 +67,6 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.hf_path:
             raise ConfigError("model.hf_path must be set to an HF checkpoint directory (tools/make_tiny.py makes one)")
-
-
-@dataclass
-class DataConfig:
-    train_path: str = ""
-    """jsonl or parquet rows `{"prompt": str | [{"role", "content"}], "answer": str}`."""
-    max_prompt_tokens: int = 1024
-    """Longer prompts are skipped and counted (`data/num_skipped_too_long`)."""
-    apply_chat_template: Optional[bool] = None
-    """None: chat messages use the tokenizer's template, plain text is used as is; True: wrap text
-    prompts as a user message; False: never use the template (messages are an error)."""
-    shuffle: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.train_path:
-            raise ConfigError("data.train_path must be set to a jsonl or parquet prompt file")
-        if self.max_prompt_tokens < 1:
-            raise ConfigError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
 
 
 @dataclass
@@ -184,7 +168,7 @@ class SyncConfig:
 @dataclass
 class RunConfig:
     model: ModelConfig
-    data: DataConfig
+    data: DatasetConfig
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -222,7 +206,7 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
         actor = dict(data.get("actor") or {})
         actor["bapo"] = {**base, **(actor.get("bapo") or {})}
         data["actor"] = actor
-    for section, key in (("model", "hf_path"), ("data", "train_path")):
+    for section, key in (("model", "hf_path"), ("data", "path")):
         if not isinstance(data.get(section), dict) or not data[section].get(key):
             raise ConfigError(f"{section}.{key} must be set (in the YAML or as {section}.{key}=... on the command line)")
     return from_dict(RunConfig, data)

@@ -5,7 +5,7 @@ import pytest
 from megatron_bapo.config import dump_run_config, load_run_config
 from megatron_bapo.config_io import ConfigError
 
-BASE = ["model.hf_path=/m", "data.train_path=/d.jsonl"]
+BASE = ["model.hf_path=/m", "data.path=/d.jsonl"]
 
 
 def test_yaml_overrides_and_preset(tmp_path):
@@ -42,6 +42,6 @@ def test_bad_values_name_the_field(override, needle):
 
 def test_required_paths():
     with pytest.raises(ConfigError, match="model.hf_path"):
-        load_run_config(None, ["data.train_path=/d"])
-    with pytest.raises(ConfigError, match="data.train_path"):
+        load_run_config(None, ["data.path=/d"])
+    with pytest.raises(ConfigError, match="data.path"):
         load_run_config(None, ["model.hf_path=/m"])
