@@ -20,7 +20,6 @@ import json
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import socket
 import time
@@ -63,6 +62,7 @@ class Trainer:
         self.rollout = None
         self.dataset = None
         self.client = None
+        self._weight_sync: Any = None
         self.writer: Optional[MetricsWriter] = None
 
     # ------------------------------------------------------------------ setup
@@ -140,7 +140,8 @@ class Trainer:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             self._servers.append(
                 start_server(self.config.model.hf_path, log_path=log_path, startup_timeout_s=cfg.startup_timeout_s,
-                             extra_args=["--random-seed", str(self.config.trainer.seed + i)])
+                             extra_args=["--random-seed", str(self.config.trainer.seed + i),
+                                         "--weight-version", "0"])  # its weights: model.hf_path
             )
         urls = [s.url for s in self._servers]
         # PIDs on disk: operators (and the kill-and-resume test) can see what this run started.
@@ -205,30 +206,17 @@ class Trainer:
     # ------------------------------------------------------------------ weight sync
     def sync_weights(self, version: int) -> None:
         """Push the actor's weights to every server as `version` (all ranks take part in the gathers)."""
-        from megatron_bapo.convert import save_model_as_hf
+        if self._weight_sync is None:
+            from megatron_bapo.sync import DiskWeightSync, DistributedWeightSync
 
-        cfg = self.config
-        if cfg.sync.method == "distributed":
-            self._sync_distributed(version)
-            return
-        root = self.output_dir / "hf_sync"
-        target = root / f"v{version:06d}"
-        save_model_as_hf(self.actor.model, self.hf_config, target, tokenizer_src=cfg.model.hf_path,
-                         max_shard_bytes=cfg.sync.bucket_bytes)
-        self._barrier()
-        if self.is_driver:
-            self.client.update_weights_from_disk(str(target), version)
-            versions = sorted(p for p in root.glob("v*") if p.is_dir())
-            for old in versions[: -cfg.sync.keep_versions]:
-                shutil.rmtree(old, ignore_errors=True)
-
-    def _sync_distributed(self, version: int) -> None:
-        from megatron_bapo.sync import DistributedWeightSync
-
-        if not hasattr(self, "_dist_sync"):
-            self._dist_sync = DistributedWeightSync(self.config.sync, self.actor, self.hf_config,
-                                                    self.client if self.is_driver else None)
-        self._dist_sync.sync(version)
+            cfg = self.config
+            urls = self.urls if self.is_driver else None
+            if cfg.sync.method == "distributed":
+                self._weight_sync = DistributedWeightSync(cfg.sync, self.actor, self.hf_config, server_urls=urls)
+            else:
+                self._weight_sync = DiskWeightSync(cfg.sync, self.actor, self.hf_config, self.output_dir / "hf_sync",
+                                                   server_urls=urls, tokenizer_src=cfg.model.hf_path)
+        self._weight_sync.sync(version)
 
     # ------------------------------------------------------------------ eval / checkpoints
     def evaluate(self) -> dict[str, float]:
@@ -301,6 +289,9 @@ class Trainer:
             yield
         finally:
             signal.signal(signal.SIGTERM, previous)
+            if self._weight_sync is not None:
+                with contextlib.suppress(Exception):
+                    self._weight_sync.close()
             if self.client is not None:
                 with contextlib.suppress(Exception):
                     self.client.close()
