@@ -177,3 +177,28 @@ def test_non_finite_minibatch_is_skipped_and_counted(run_dist):
         assert updates == 1 and skipped == 1
         assert m["actor/skipped_steps_total"] == 1 and math.isfinite(m["actor/loss"])
         assert any((after[n] - p).abs().max() > 0 for n, p in before.items())  # the good mini-batch trained
+
+
+def _train_counting_layer_forwards(rank, world_size, layout, init):
+    """One step like `_train`, also counting forward calls of the first decoder layer."""
+    actor = _actor(**layout)
+    calls = []
+    layer = actor.model[0].module.decoder.layers[0]
+    b = _near_batch(actor)
+    handle = layer.register_forward_hook(lambda *a: calls.append(1))
+    metrics = actor.train_step(b)
+    handle.remove()
+    return {"params": full_params(actor), "metrics": metrics, "lp": actor.compute_logprobs(b), "calls": len(calls)}
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_changes_memory_not_the_step(run_dist, reference, mode):
+    plain = run_dist(_train_counting_layer_forwards, 1, {}, {}, timeout=120)[0]
+    res = run_dist(_train_counting_layer_forwards, 1, {"recompute": mode}, {}, timeout=120)[0]
+    _assert_same(reference, res)
+    for name, p in reference["params"].items():
+        torch.testing.assert_close(res["params"][name], p, atol=1e-6, rtol=0, msg=name)
+    if mode == "full":  # each layer runs again in the backward (its activations were not kept)
+        assert res["calls"] > plain["calls"]
+    else:  # selective recompute re-runs core attention only, inside the layer
+        assert res["calls"] == plain["calls"]

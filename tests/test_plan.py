@@ -41,6 +41,8 @@ def test_32b_true_parameter_count_and_fit(tmp_path):
     assert plan["fits_recompute"] and not plan["fits"]  # 64k needs recomputation, as design section 5 says
     assert 0 < plan["peak_bytes_recompute"] <= plan["capacity_bytes"]
     assert "32,763,876,352 parameters" in text.stdout and "full recompute FITS" in text.stdout
+    no_recompute = _plan("--config", str(CFG_32B), "--hf-config", str(HF_32B), "--gpus", "64", "actor.recompute=none")
+    assert no_recompute.returncode == 1, no_recompute.stdout  # the exit status follows actor.recompute
 
 
 @pytest.mark.parametrize(

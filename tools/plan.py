@@ -5,8 +5,9 @@
         --hf-config examples/configs/qwen2.5-32b-config.json --gpus 64
 
 Builds the model on the meta device from the HF config (no weights). Exit status: 0 when the layout
-is valid and fits (with full recompute, or without when --no-recompute), 1 when it does not fit,
-2 on an invalid layout (the message names the config field).
+is valid and fits as configured (with activation recomputation when `actor.recompute: full`, without
+otherwise; "selective" is judged as none, conservatively), 1 when it does not fit, 2 on an invalid
+layout (the message names the config field).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=None, help="actor GPUs (default: tp*pp*cp, i.e. DP 1)")
     parser.add_argument("--gpu-memory-gib", type=float, default=79.0, help="usable memory per GPU")
     parser.add_argument("--reserved-gib", type=float, default=4.0, help="CUDA context/NCCL/fragmentation reserve")
-    parser.add_argument("--no-recompute", action="store_true", help="judge the fit without activation recomputation")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     parser.add_argument("--json-out", default=None, help="also write the plan as JSON to this file")
     parser.add_argument("overrides", nargs="*", help="a.b=c overrides of the run YAML")
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump(plan.to_dict(), f, indent=1)
-    return 0 if plan.fits(recompute=not args.no_recompute) else 1
+    return 0 if plan.fits(recompute=inputs.actor.recompute == "full") else 1
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ class Actor:
         vpp = config.parallel.vpp
         # Micro-batches have different shapes (token budget); PP must then exchange shapes.
         # (megatron rejects variable lengths with the default MoE dispatcher even for dense models.)
-        overrides = dict(calculate_per_token_loss=True)
+        overrides = dict(calculate_per_token_loss=True, **config.recompute_overrides())
         if config.parallel.pp > 1:
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
         chunks = []

@@ -10,6 +10,7 @@ from megatron_bapo.models.parallel import ParallelConfig
 
 SEARCH_SCOPES = ("minibatch", "microbatch")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass
@@ -86,6 +87,18 @@ class ActorConfig:
     """Vocabulary padding multiple (TP-independent; see models.registry)."""
     max_skipped_steps: int = 10
     """Non-finite loss/grad steps tolerated (each is skipped and counted) before raising."""
+    recompute: str = "none"
+    """Activation recomputation: "none"; "selective" (megatron's core-attention recompute); "full"
+    (every layer, uniform, 1 layer per checkpoint: keeps only each layer's input, the planner's
+    `activations_recompute`). 64k-token sequences on a 32B model need "full"."""
+
+    def recompute_overrides(self) -> dict:
+        """The megatron-core `TransformerConfig` fields for `recompute`."""
+        if self.recompute == "full":
+            return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        if self.recompute == "selective":
+            return {"recompute_granularity": "selective"}
+        return {}
 
     def __post_init__(self) -> None:
         if isinstance(self.optim, dict):
@@ -108,5 +121,7 @@ class ActorConfig:
             raise ValueError(f"ActorConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"ActorConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"ActorConfig.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.max_skipped_steps < 0:
             raise ValueError(f"ActorConfig.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")

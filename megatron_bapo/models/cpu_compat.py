@@ -12,6 +12,7 @@ below was verified necessary by a probe (shared/notes/megatron-core-on-cpu.md):
 |   `.to("cuda")`, `pin_memory=True` -> CPU; `Tensor.type()`   |   clipping, fully-parallel load    |
 |   reports `torch.cuda.*` (megatron's optimizers check it)    |                                    |
 | a CPU RNG tracker (`add`/`fork` swap the CPU generator)      | model_parallel_cuda_manual_seed    |
+| megatron's `_get/_set_cuda_rng_state` -> the CPU generator   | activation recompute (checkpoint)  |
 
 The fifth ingredient, core attention via `scaled_dot_product_attention`, lives in the layer spec
 (`megatron_bapo.models.layer_spec`), not here, because it is a module choice, not a patch.
@@ -88,6 +89,17 @@ def _synchronize(device: Any = None) -> None:
     _HITS["synchronize"] += 1
 
 
+def _get_device_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """On CPU the "device" generator is the CPU generator (the tracker above swaps the same one)."""
+    _HITS["rng_state"] += 1
+    return torch.get_rng_state()
+
+
+def _set_device_rng_state(new_state: Any, device: int = -1, graph_safe: bool = False) -> None:
+    _HITS["rng_state"] += 1
+    torch.set_rng_state(new_state)
+
+
 def _make_cpu_tracker_class():
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -149,6 +161,9 @@ def install() -> bool:
             mrandom.CudaRNGStatesTracker = tracker_cls
             mrandom._CUDA_RNG_STATE_TRACKER = tracker_cls()
             mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+            # Recompute (CheckpointFunction) saves and restores the device RNG around each layer.
+            mrandom._get_cuda_rng_state = _get_device_rng_state
+            mrandom._set_cuda_rng_state = _set_device_rng_state
         _MODE = _CpuDeviceMode()
         _MODE.__enter__()  # stays entered for the life of the process (this thread)
         _INSTALLED = True
