@@ -1,16 +1,18 @@
-"""Summarise and plot a staleness study: several runs (one per clipping preset) side by side.
+"""Summarise and plot a staleness study: several presets, each run with one or more seeds.
 
-    python tools/plot_study.py --runs grpo=runs/study/grpo clip-higher=runs/study/clip-higher \
-        bapo=runs/study/bapo --out results/staleness_study
+    python tools/plot_study.py --out results/staleness_study \
+        --runs grpo=runs/study/grpo/s1,runs/study/grpo/s2 bapo=runs/study/bapo/s1,runs/study/bapo/s2
 
-Reads each run's `tb/metrics.jsonl` (written by the trainer), writes `table.md` (final and
-best rewards, eval accuracy, entropy, clip bounds) and small PNGs (reward, entropy, c_low/c_high,
-positive contribution) to `--out`.
+Reads each run's `tb/metrics.jsonl` (written by the trainer). Writes `table.md` (per preset: eval
+accuracy at the start, at the end and its best, each as mean +- std over seeds with the per-seed
+values; final train reward, entropy and clip bounds) and small PNGs (seed-mean curves with a
+min-max band) to `--out`. A single seed is a valid input; the std column then reads 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -19,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_bapo.metrics import read_jsonl_metrics  # noqa: E402
 
 PLOTS = {
-    "reward.png": ("Mean reward (train rollouts)", ["rollout/reward_mean"]),
+    "reward.png": ("Mean reward (train rollouts, 10-step mean)", ["rollout/reward_mean"]),
     "eval_accuracy.png": ("Eval accuracy (held-out avg@n)", ["eval/*/avg@*"]),
     "entropy.png": ("Policy entropy (loss tokens)", ["actor/entropy"]),
     "clip_bounds.png": ("Clip bounds", ["bapo/c_low", "bapo/c_high"]),
@@ -27,30 +29,76 @@ PLOTS = {
 }
 
 
-def _resolve(records, tag):
+def _resolve(records: list[dict], tag: str) -> str:
     """`eval/*/avg@*` -> the first matching eval tag of the run (dataset names differ between runs)."""
     if "*" not in tag:
         return tag
     return next((k for r in records for k in sorted(r) if k.startswith("eval/") and "/avg@" in k), tag)
 
 
-def _series(records, tag):
+def _series(records: list[dict], tag: str) -> dict[int, float]:
     tag = _resolve(records, tag)
-    points = [(r["step"], r[tag]) for r in records if isinstance(r.get(tag), (int, float))]
-    return [p[0] for p in points], [p[1] for p in points]
+    return {int(r["step"]): float(r[tag]) for r in records if isinstance(r.get(tag), (int, float))}
 
 
-def _smooth(values, window=5):
-    out = []
-    for i in range(len(values)):
-        chunk = values[max(0, i - window + 1) : i + 1]
-        out.append(sum(chunk) / len(chunk))
-    return out
+def _smooth(values: list[float], window: int) -> list[float]:
+    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+
+
+def _across_seeds(seeds: list[list[dict]], tag: str, window: int = 1):
+    """Steps present in every seed, with the seed mean, min and max (after per-seed smoothing)."""
+    per_seed = []
+    for records in seeds:
+        s = _series(records, tag)
+        steps = sorted(s)
+        per_seed.append(dict(zip(steps, _smooth([s[k] for k in steps], window))))
+    common = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
+    cols = [[s[k] for s in per_seed] for k in common]
+    return common, [statistics.fmean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
+
+
+def _mean_std(values: list[float]) -> str:
+    if not values:
+        return "-"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.3f} +- {std:.3f}"
+
+
+def _table(runs: dict[str, list[list[dict]]]) -> list[str]:
+    lines = [
+        "| preset | seeds | eval start | eval end (mean of last 2 evals) | eval best | per-seed eval end | "
+        "reward last 10 | entropy last 10 | c_low / c_high last |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, seeds in runs.items():
+        start, end, best, reward, entropy, low, high = [], [], [], [], [], [], []
+        for records in seeds:
+            ev = _series(records, "eval/*/avg@*")
+            ev_values = [ev[k] for k in sorted(ev)]
+            if ev_values:
+                start.append(ev_values[0])
+                end.append(statistics.fmean(ev_values[-2:]))
+                best.append(max(ev_values))
+            for tag, out in (("rollout/reward_mean", reward), ("actor/entropy", entropy)):
+                s = _series(records, tag)
+                tail = [s[k] for k in sorted(s)][-10:]
+                if tail:
+                    out.append(statistics.fmean(tail))
+            for tag, out in (("bapo/c_low", low), ("bapo/c_high", high)):
+                s = _series(records, tag)
+                if s:
+                    out.append(s[max(s)])
+        bounds = f"{statistics.fmean(low):.2f} / {statistics.fmean(high):.2f}" if low and high else "-"
+        lines.append(
+            f"| {name} | {len(seeds)} | {_mean_std(start)} | {_mean_std(end)} | {_mean_std(best)} | "
+            f"{', '.join(f'{v:.3f}' for v in end) or '-'} | {_mean_std(reward)} | {_mean_std(entropy)} | {bounds} |"
+        )
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", nargs="+", required=True, help="name=run_dir pairs")
+    parser.add_argument("--runs", nargs="+", required=True, help="name=run_dir[,run_dir...] (one dir per seed)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -59,29 +107,32 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {}
+    runs: dict[str, list[list[dict]]] = {}
     for item in args.runs:
-        name, _, path = item.partition("=")
-        if not path:
-            parser.error(f"--runs expects name=run_dir, got {item!r}")
-        records = read_jsonl_metrics(Path(path) / "tb")
-        if not records:
-            parser.error(f"run {name!r}: no metrics in {Path(path) / 'tb' / 'metrics.jsonl'}")
-        runs[name] = records
+        name, _, paths = item.partition("=")
+        if not paths:
+            parser.error(f"--runs expects name=run_dir[,run_dir...], got {item!r}")
+        runs[name] = []
+        for path in paths.split(","):
+            records = read_jsonl_metrics(Path(path) / "tb")
+            if not records:
+                parser.error(f"run {name!r}: no metrics in {Path(path) / 'tb' / 'metrics.jsonl'}")
+            runs[name].append(records)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     for filename, (title, tags) in PLOTS.items():
         fig, ax = plt.subplots(figsize=(5, 3.2), dpi=80)
         drawn = False
-        for name, records in runs.items():
+        for name, seeds in runs.items():
             for tag in tags:
-                steps, values = _series(records, tag)
+                steps, mean, lo, hi = _across_seeds(seeds, tag, window=10 if "reward" in tag else 1)
                 if not steps:
                     continue
                 label = name if len(tags) == 1 else f"{name} {tag.split('/')[-1]}"
-                smooth = _smooth(values) if "reward" in tag else values
-                ax.plot(steps, smooth, label=label, linewidth=1.4)
+                (line,) = ax.plot(steps, mean, label=label, linewidth=1.4)
+                if len(seeds) > 1:
+                    ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
                 drawn = True
         if not drawn:
             plt.close(fig)
@@ -94,29 +145,7 @@ def main() -> None:
         fig.savefig(out / filename)
         plt.close(fig)
 
-    lines = [
-        "| run | steps | reward first 5 | reward last 5 | eval first | eval last | entropy last | c_low last | c_high last |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, records in runs.items():
-        _, reward = _series(records, "rollout/reward_mean")
-        _, ent = _series(records, "actor/entropy")
-        _, low = _series(records, "bapo/c_low")
-        _, high = _series(records, "bapo/c_high")
-        _, ev = _series(records, "eval/*/avg@*")
-
-        def mean(xs):
-            return f"{sum(xs) / len(xs):.3f}" if xs else "-"
-
-        def last(xs):
-            return f"{xs[-1]:.3f}" if xs else "-"
-
-        lines.append(
-            f"| {name} | {len(records)} | {mean(reward[:5])} | {mean(reward[-5:])} | "
-            f"{ev[0]:.3f} | {ev[-1]:.3f} | {last(ent)} | {last(low)} | {last(high)} |"
-            if ev
-            else f"| {name} | {len(records)} | {mean(reward[:5])} | {mean(reward[-5:])} | - | - | {last(ent)} | {last(low)} | {last(high)} |"
-        )
+    lines = _table(runs)
     (out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
