@@ -1,6 +1,6 @@
 """Bound search cost at scale: one pass + one collective vs the per-step loop vs one loss evaluation.
 
-    python benchmarks/bench_bound_search.py [--tokens 2000000] [--repeats 5] [--world-size 1]
+    python benchmarks/bench_bound_search.py [--tokens 2000000] [--repeats 5] [--threads N]
 
 The per-step loop is what the official recipe does: every search step re-evaluates the
 contribution over all tokens and syncs to the host (`.item()`) to test the condition; with a

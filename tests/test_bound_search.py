@@ -261,3 +261,22 @@ def test_float32_inputs_and_grid_never_accumulates_floats():
     res32 = search_clip_bounds(r.float(), a.float(), torch.ones(1000), cfg)
     res64 = search_clip_bounds(r.double(), a.double(), torch.ones(1000), cfg)
     assert (res32.c_low, res32.c_high) == (res64.c_low, res64.c_high)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grid", [(0.6, 0.9, 0.02, False), (1.2, 3.0, 0.05, False), (0.8, 0.97, 0.05, True),
+                                  (1.0, 1.01, 0.0001, False)])
+def test_grid_counter_is_exact_on_and_around_every_grid_value(dtype, grid):
+    """The arithmetic bin index equals searchsorted on values exactly on, one ulp beside, and between
+    grid values, and past both ends (clamped and bf16-tiny-step grids take the searchsorted path)."""
+    from megatron_bapo.algorithms.bound_search import _GridCounter, bound_grid
+
+    start, stop, step, clamp = grid
+    g64 = bound_grid(start, stop, step, clamp_to_stop=clamp)
+    g = g64.to(dtype)
+    probes = torch.cat([g, torch.nextafter(g, g + 1), torch.nextafter(g, g - 1), (g[:-1] + g[1:]) / 2,
+                        g.new_tensor([0.0, start - step, stop + step, 1e30 if dtype != torch.float16 else 6e4])])
+    for inclusive in (False, True):
+        counter = _GridCounter(g64, g, step, inclusive=inclusive)
+        torch.testing.assert_close(counter.count(probes), torch.searchsorted(g, probes, right=inclusive), rtol=0, atol=0)
+        counter.count(probes.new_tensor([math.inf, -math.inf, math.nan]))  # never an index error

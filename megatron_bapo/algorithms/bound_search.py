@@ -108,8 +108,8 @@ def contribution_vectors(
     device = ratio.device
     num_k, num_j = high_grid.numel(), low_grid.numel()
     cmp_dtype = ratio.dtype if ratio.is_floating_point() else torch.float64
-    high_cmp = high_grid.to(device=device, dtype=cmp_dtype)
-    low_cmp = low_grid.to(device=device, dtype=cmp_dtype)
+    high_cmp = _GridCounter(high_grid, high_grid.to(device=device, dtype=cmp_dtype), config.high_step, inclusive=False)
+    low_cmp = _GridCounter(low_grid, low_grid.to(device=device, dtype=cmp_dtype), config.low_step, inclusive=True)
     if chunk_size is None:
         chunk_size = 1 << 16 if device.type == "cpu" else max(ratio.numel(), 1)
 
@@ -141,13 +141,51 @@ def contribution_vectors(
     return torch.cat([p_vec, n_vec, counts])
 
 
+class _GridCounter:
+    """Exact `#grid < r` (or `<= r`) per token for a (nearly) uniform grid, without a binary search.
+
+    The grid is `start + i * step` (the last value may be clamped to the stop, `order="verl"`),
+    compared in the ratio's dtype. A float64 estimate `floor((r - start) / step) + 1` is within one of
+    the true count whenever every grid value, as compared, lies within step/2 of its ideal position;
+    one gather-and-compare step in each direction then makes it exact. When the grid does not pass
+    that check (a coarse dtype such as bfloat16 with a tiny step), `torch.searchsorted` is used.
+    This is ~2-3x faster than `searchsorted` on CPU, which dominated the search's cost.
+    """
+
+    def __init__(self, grid64: torch.Tensor, grid_cmp: torch.Tensor, step: float, *, inclusive: bool) -> None:
+        self.grid_cmp = grid_cmp
+        self.inclusive = inclusive
+        self.size = grid64.numel()
+        self.start = float(grid64[0])
+        self.inv_step = 1.0 / step
+        ideal = self.start + step * torch.arange(self.size, dtype=torch.float64)
+        err = (grid_cmp.to(torch.float64).cpu() - ideal).abs()
+        self.uniform = bool((err < step / 2).all()) and grid_cmp.is_floating_point()
+        nan = grid_cmp.new_tensor([math.nan])  # compares false: never steps past either end
+        self.above = torch.cat([grid_cmp, nan])  # grid[c]
+        self.below = torch.cat([nan, grid_cmp])  # grid[c - 1]
+
+    def count(self, r: torch.Tensor) -> torch.Tensor:
+        """`#grid < r` (`<= r` when inclusive) as int64; any value for NaN (callers drop those tokens)."""
+        if not self.uniform:
+            return torch.searchsorted(self.grid_cmp, r, right=self.inclusive)
+        c = (r.to(torch.float64) - self.start).mul_(self.inv_step).floor_().add_(1)
+        c = c.nan_to_num_(0.0).clamp_(0, self.size).to(torch.int64)
+        # index_select: several times faster than advanced indexing for a small table on CPU.
+        if self.inclusive:
+            c += (self.above.index_select(0, c) <= r).to(torch.int64)
+            c -= (self.below.index_select(0, c) > r).to(torch.int64)
+        else:
+            c += (self.above.index_select(0, c) < r).to(torch.int64)
+            c -= (self.below.index_select(0, c) >= r).to(torch.int64)
+        return c
+
+
 def _bin_chunk(chunk, config, high_cmp, low_cmp, bins_r, bins_a, counts) -> None:
     """Accumulate one chunk of tokens into the grid bins (in place, float64).
 
-    One binary search per token over the merged grid `low ++ high` (sorted, since low_max <
-    high_start) gives both bins: a positive token counts for every k with c_high_k >= r (its bin is
-    #high < r), a negative one for every j with c_low_j <= r (its bin is #low <= r, i.e. #low < r
-    plus one when r sits exactly on a low grid value).
+    A positive token counts for every k with c_high_k >= r (its bin is #high < r), a negative one
+    for every j with c_low_j <= r (its bin is #low <= r); `high_cmp`/`low_cmp` are `_GridCounter`s.
     """
     r, a, m = chunk[0], chunk[1], chunk[2].to(torch.bool)
     finite = torch.isfinite(r) & torch.isfinite(a)
@@ -164,12 +202,9 @@ def _bin_chunk(chunk, config, high_cmp, low_cmp, bins_r, bins_a, counts) -> None
     counts[2] += pos.sum()
     counts[3] += neg_all.sum()
 
-    num_k, num_j = high_cmp.numel(), low_cmp.numel()
-    merged = torch.cat([low_cmp, high_cmp])
-    below = torch.searchsorted(merged, r, right=False)  # #grid values < r, 0..num_j+num_k
-    idx_pos = (below - num_j).clamp_(min=0)  # #high < r
-    low_at = torch.cat([low_cmp, low_cmp.new_full((num_k + 1,), float("nan"))])[below]
-    cnt_neg = below.clamp(max=num_j) + (low_at == r)  # #low <= r
+    num_k, num_j = high_cmp.size, low_cmp.size
+    idx_pos = high_cmp.count(r)  # #high < r
+    cnt_neg = low_cmp.count(r)  # #low <= r
     dump = num_k + num_j + 2
     index = torch.where(pos, idx_pos, torch.where(neg, num_k + 1 + cnt_neg, dump))
 
