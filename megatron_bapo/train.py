@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import warnings
 import os
 import sys
 from typing import Optional, Sequence
@@ -50,6 +51,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         level=config.trainer.log_level.upper() if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
     )
+    if config.trainer.log_level.upper() != "DEBUG":
+        # megatron-core logs every config dataclass and parameter-bucket list at INFO; keep its warnings.
+        logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    # Expected on a CPU-only install (TE/Apex are GPU extras); not worth a screen of warnings per run.
+    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
     from megatron_bapo.trainer import Trainer
 
     history = Trainer(config).run()
