@@ -92,6 +92,20 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+def _pids_running(config: Path) -> list[int]:
+    """Live processes started with this config: the trainer and anything it forked (same command line)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(config) in cmdline and _pid_alive(int(entry.name)):
+                pids.append(int(entry.name))
+    return pids
+
+
 def _server_pids(out: Path) -> list[int]:
     path = out / "servers.json"
     return [s["pid"] for s in json.loads(path.read_text())] if path.exists() else []
@@ -154,6 +168,7 @@ def test_sigkill_mid_step_then_resume_loses_and_duplicates_nothing(assets, tmp_p
     while any(_pid_alive(p) for p in killed_servers) and time.monotonic() - t0 < 30:
         time.sleep(0.2)
     assert not any(_pid_alive(p) for p in killed_servers), "built-in servers outlived the killed trainer"
+    assert _pids_running(config) == [], "a process forked by the trainer outlived it"
 
     resumed = _train(config, assets, "--resume")
     log, _ = resumed.communicate(timeout=600)
