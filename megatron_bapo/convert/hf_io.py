@@ -180,10 +180,9 @@ def write_config(hf_config: Any, out_dir: str | os.PathLike, *, dtype: Optional[
 
     cfg = copy.deepcopy(hf_config)
     if dtype is not None:
-        cfg.torch_dtype = dtype
-        if hasattr(cfg, "dtype"):
-            try:
-                cfg.dtype = dtype
-            except Exception:  # noqa: BLE001 - older transformers have no dtype attribute setter
-                pass
+        # transformers v5 names it `dtype` (setting `torch_dtype` only warns); v4 has `torch_dtype`.
+        if "dtype" in cfg.to_dict():
+            cfg.dtype = dtype
+        else:
+            cfg.torch_dtype = dtype
     cfg.save_pretrained(str(out))
