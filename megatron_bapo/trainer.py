@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -33,21 +32,16 @@ from megatron_bapo import run_state
 from megatron_bapo.config import RunConfig, dump_run_config
 from megatron_bapo.experience import build_experience
 from megatron_bapo.metrics import MetricsWriter
+from megatron_bapo.sync.sender import free_port
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed_env() -> None:
     """Let a plain `python -m megatron_bapo.train` run as a one-rank job (torchrun/srun set these)."""
     if "RANK" in os.environ:
         return
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 class Trainer:

@@ -131,7 +131,7 @@ def test_sender_syncs_two_servers_in_one_group(server, tiny_hf_dir, tmp_path):
     both then serve the new weights' log-probs."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_bapo.server.weight_sender import DistributedWeightSender
+    from megatron_bapo.sync import DistributedWeightSender
     from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
 
     new = AutoModelForCausalLM.from_pretrained(make_tiny_hf_checkpoint(tmp_path / "new", seed=5),

@@ -7,13 +7,14 @@ Two transports, one per file:
 - `distributed.DistributedWeightSync`: trainer rank 0 and every server TP rank form one torch
   process group (`/init_weights_update_group`, NCCL on GPUs, gloo on CPU); each bucket of HF-named
   tensors is announced with `/update_weights_from_distributed` and broadcast from rank 0. No disk.
+  The protocol itself (join, announce + broadcast, leave) is `sender.DistributedWeightSender`.
 Both are collective over all actor ranks (weights are gathered over TP/PP); only global rank 0
 talks HTTP.
 """
 
 from megatron_bapo.sync.disk import DiskWeightSync
 from megatron_bapo.sync.distributed import DistributedWeightSync
-from megatron_bapo.sync.group import destroy_update_group, new_update_group
 from megatron_bapo.sync.http import WeightSyncError
+from megatron_bapo.sync.sender import DistributedWeightSender
 
-__all__ = ["DiskWeightSync", "DistributedWeightSync", "WeightSyncError", "new_update_group", "destroy_update_group"]
+__all__ = ["DiskWeightSync", "DistributedWeightSender", "DistributedWeightSync", "WeightSyncError"]

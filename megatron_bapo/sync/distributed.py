@@ -17,21 +17,16 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_bapo.sync.group import destroy_update_group, new_update_group
 from megatron_bapo.sync.http import ControlCalls, WeightSyncError
+from megatron_bapo.sync.sender import DistributedWeightSender
 
 logger = logging.getLogger(__name__)
-
-GROUP_NAME = "weight_update_group"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 class DistributedWeightSync:
@@ -66,8 +61,7 @@ class DistributedWeightSync:
         self.backend = config.backend
         if self.backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("sync.backend='nccl' needs CUDA; use sync.backend=gloo on CPU")
-        self._calls: Optional[ControlCalls] = None
-        self._group = None
+        self._sender: Optional[DistributedWeightSender] = None
         self.num_syncs = 0
 
     # ------------------------------------------------------------------ group
@@ -77,33 +71,22 @@ class DistributedWeightSync:
         return ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
 
     def _ensure_group(self) -> None:
-        if self._group is not None:
+        if self._sender is not None:
             return
-        calls = self._calls = ControlCalls(self.timeout_s)
+        calls = ControlCalls(self.timeout_s)
         atexit.register(self.close)  # the trainer may exit without calling close()
         infos = calls.wait_all([calls.get(u, "/get_server_info") for u in self.urls], self.timeout_s)
-        tp_sizes = [int((info or {}).get("tp_size", 1)) for info in infos]
-        world = 1 + sum(tp_sizes)
-        bodies, offset = [], 1
-        for tp in tp_sizes:
-            bodies.append({
-                "master_address": self.config.master_address, "master_port": int(self.config.master_port),
-                "rank_offset": offset, "world_size": world, "group_name": GROUP_NAME, "backend": self.backend,
-            })
-            offset += tp
-        pending = calls.post_all(self.urls, "/init_weights_update_group", bodies)
+        self._sender = DistributedWeightSender(
+            self.urls, backend=self.backend, master_address=self.config.master_address,
+            master_port=int(self.config.master_port), ranks_per_server=[int((i or {}).get("tp_size", 1)) for i in infos],
+            timeout_s=self.timeout_s, calls=calls,
+        )
         try:
-            self._group = new_update_group(
-                self.backend, self.config.master_address, int(self.config.master_port), 0, world,
-                GROUP_NAME, self.timeout_s,
-            )
-        except Exception as exc:
-            for f in pending:
-                f.cancel()
-            raise WeightSyncError(f"joining the weight update group at {self.config.master_address}:"
-                                  f"{self.config.master_port} failed: {exc}") from exc
-        calls.wait_all(pending, self.timeout_s)
-        logger.info("weight update group: %d ranks (trainer + %s server TP ranks, %s)", world, tp_sizes, self.backend)
+            self._sender.connect()
+        except Exception:
+            self._sender, sender = None, self._sender
+            sender.calls.close()
+            raise
 
     # ------------------------------------------------------------------ sync
     def sync(self, version: int) -> int:
@@ -132,11 +115,10 @@ class DistributedWeightSync:
 
     def _flush_caches(self, tries: int = 60) -> None:
         """`/flush_cache` on every server, retried while a server is not idle yet (it answers 400)."""
-        import time
-
+        calls = self._sender.calls
         for attempt in range(tries):
             try:
-                self._calls.wait_all([self._calls.post(u, "/flush_cache", {}) for u in self.urls], self.timeout_s)
+                calls.wait_all([calls.post(u, "/flush_cache", {}) for u in self.urls], self.timeout_s)
                 return
             except WeightSyncError:
                 if attempt == tries - 1:
@@ -144,33 +126,13 @@ class DistributedWeightSync:
                 time.sleep(1.0)
 
     def _send(self, bucket: list, version: Optional[str]) -> int:
+        # NCCL moves GPU memory only; gathered tensors may sit on the CPU.
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        tensors = [t.to(device) for _, t in bucket]
-        body = {
-            "names": [n for n, _ in bucket], "dtypes": [_dtype_name(t.dtype) for t in tensors],
-            "shapes": [list(t.shape) for t in tensors], "group_name": GROUP_NAME, "flush_cache": False,
-            "abort_all_requests": False, "weight_version": version,
-        }
-        pending = self._calls.post_all(self.urls, "/update_weights_from_distributed", [body] * len(self.urls))
-        try:
-            for t in tensors:
-                dist.broadcast(t, src=0, group=self._group)
-        finally:
-            self._calls.wait_all(pending, self.timeout_s)
-        return len(tensors)
+        return self._sender.send([[(name, t.to(device)) for name, t in bucket]], weight_version=version)
 
     def close(self) -> None:
         """Leave the group on every server and here (best effort)."""
-        if self._calls is not None:
-            try:
-                self._calls.wait_all(
-                    [self._calls.post(u, "/destroy_weights_update_group", {"group_name": GROUP_NAME}) for u in self.urls],
-                    60.0,
-                )
-            except WeightSyncError as exc:
-                logger.warning("destroy_weights_update_group: %s", exc)
-            self._calls.close()
-            self._calls = None
-        if self._group is not None:
-            destroy_update_group(self._group)
-            self._group = None
+        if self._sender is not None:
+            self._sender.close()
+            self._sender.calls.close()
+            self._sender = None
