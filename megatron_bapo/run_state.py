@@ -40,6 +40,22 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a completely written `tmp` directory to `final`, replacing an older `final`.
+
+    The old one is renamed aside first and deleted last, so a crash leaves either the old or the
+    new directory under `final` (or the old one as `final.old`), never a partial one.
+    """
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
 def save_trainer_state(ckpt_dir: Path, state: dict[str, Any]) -> None:
     """Write `trainer.json` last and point `latest` at this checkpoint (rank 0 only)."""
     state = {**state, "rng": _rng_state()}

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megatron_bapo.run_state import replace_dir
+
 if TYPE_CHECKING:
     from megatron_bapo.actor.actor import Actor
 
@@ -115,14 +117,7 @@ def save_checkpoint(actor: "Actor", directory: str | os.PathLike) -> Path:
             "num_skipped_steps": actor.num_skipped_steps, "distributed_optimizer": actor.distributed_optimizer,
         }
         (tmp / META).write_text(json.dumps(meta, indent=2))
-        old = final.with_name(final.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        if old.exists():
-            shutil.rmtree(old)
+        replace_dir(tmp, final)
     dist.barrier()
     logger.info("actor checkpoint saved to %s (%d updates)", final, actor.num_updates)
     return final

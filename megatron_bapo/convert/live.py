@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_bapo.convert.hf_io import HFCheckpointReader, HFShardWriter, copy_tokenizer_files, write_config
 from megatron_bapo.convert.mapping import ModelMapping, ShapeInfo, TensorRule, full_to_hf, get_mapping, hf_to_full, shard, unshard
+from megatron_bapo.run_state import replace_dir
 
 logger = logging.getLogger(__name__)
 
@@ -300,14 +301,7 @@ def save_model_as_hf(
             write_config(hf_config, tmp, dtype=dtype)
             if tokenizer_src is not None:
                 copy_tokenizer_files(tokenizer_src, tmp)
-            old = out.with_name(out.name + ".old")
-            if old.exists():
-                shutil.rmtree(old)
-            if out.exists():
-                out.rename(old)
-            tmp.rename(out)
-            if old.exists():
-                shutil.rmtree(old)
+            replace_dir(tmp, out)
             written = out
             logger.info("saved HF checkpoint to %s", out)
     dist.barrier(group=group)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_bapo.convert.hf_io import HFCheckpointReader, HFShardWriter, copy_tokenizer_files, write_config
 from megatron_bapo.convert.live import check_hf_names
 from megatron_bapo.convert.mapping import ModelMapping, ShapeInfo, TensorRule, full_to_hf, get_mapping, hf_to_full
+from megatron_bapo.run_state import replace_dir
 
 logger = logging.getLogger(__name__)
 TEMPLATE = "hf_template"
@@ -155,12 +156,6 @@ def _prepare_out(out_dir: Path, force: bool) -> Path:
     return tmp
 
 
-def _finish_out(tmp: Path, out_dir: Path) -> None:
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
-
-
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
@@ -239,7 +234,7 @@ def hf_to_megatron(
         "dtype": str(dtype).replace("torch.", ""), "vocab_divisible_by": vocab_divisible_by,
     }
     (tmp / ACTOR_META).write_text(json.dumps(meta, indent=2))
-    _finish_out(tmp, out_dir)
+    replace_dir(tmp, out_dir)
     logger.info("wrote megatron checkpoint %s from %s", out_dir, hf_dir)
     return out_dir
 
@@ -316,6 +311,6 @@ def megatron_to_hf(
     writer.close()
     write_config(hf_config, tmp, dtype=out_dtype)
     copy_tokenizer_files(template, tmp)
-    _finish_out(tmp, out_dir)
+    replace_dir(tmp, out_dir)
     logger.info("wrote HF checkpoint %s from %s", out_dir, mdir)
     return out_dir
