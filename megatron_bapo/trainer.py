@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from megatron_bapo import run_state

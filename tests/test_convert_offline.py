@@ -3,7 +3,6 @@ checkpoints export to HF with the actor's logits."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

@@ -12,7 +12,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ import pytest
 
 from megatron_bapo.eval import EvalConfig, HttpSampler, pass_at_k, pass_k_values, read_records, run_evaluation
 from megatron_bapo.eval.runner import evaluate_checkpoint
+from dist_harness import free_port
 from megatron_bapo.rewards import load_reward_fn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -228,16 +228,11 @@ def test_cli_rejects_bad_reward_spec_before_sampling(model_dir, eval_data, tmp_p
     assert "nope_module_xyz:fn" in proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_sampler_fails_over_from_a_dead_server(model_dir, server_url, eval_data, digit_reward, tmp_path):
     from transformers import AutoTokenizer
 
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     config = EvalConfig(datasets=[{"name": "tiny", "path": str(eval_data)}], n=2, max_new_tokens=4, reward=digit_reward)
 

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,12 +20,8 @@ from megatron_bapo.rollout import (PartialRolloutConfig, PartialRolloutManager, 
                                    RolloutClient, RolloutClientConfig, RolloutError, SampleState,
                                    SamplingConfig, build_batch, flatten)
 from megatron_bapo.rollout.fake_server import EOS_ID, ThreadedFakeServer, next_token, token_logprob, weights_seed
+from dist_harness import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -46,7 +41,7 @@ def fake_server_processes(n: int = 1, **flags):
     procs, urls = [], []
     try:
         for _ in range(n):
-            port = _free_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "megatron_bapo.rollout.fake_server", "--port", str(port)]
             for k, v in flags.items():
                 cmd += [f"--{k.replace('_', '-')}", str(v)]

@@ -8,11 +8,7 @@ test waits for the server's own load report (never a sleep) before acting on a r
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -20,23 +16,11 @@ import torch
 
 from megatron_bapo.server.config import parse_args
 from megatron_bapo.server.launch import start_server
+from server_helpers import http
 
 LONG = {"max_new_tokens": 3500, "temperature": 0, "ignore_eos": True}
 POOL = ThreadPoolExecutor(8)
 
-
-def http(url: str, body=None, *, method: str = "POST", timeout: float = 300.0):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, text = resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        status, text = err.code, err.read().decode()
-    try:
-        return status, json.loads(text) if text else None
-    except json.JSONDecodeError:
-        return status, text
 
 
 def bg(url: str, body) -> Future:

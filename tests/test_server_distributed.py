@@ -8,10 +8,6 @@ checkpoint, and a bad parameter name must fail without changing the served weigh
 
 from __future__ import annotations
 
-import json
-import socket
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -25,25 +21,12 @@ from megatron_bapo.server.distributed import (
     update_request_body,
 )
 from megatron_bapo.server.launch import start_server
+from dist_harness import free_port
+from server_helpers import http, ref_logprobs
 
 POOL = ThreadPoolExecutor(4)
 
 
-def http(url: str, body=None, *, method: str = "POST", timeout: float = 300.0):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, text = resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        status, text = err.code, err.read().decode()
-    return status, json.loads(text) if text else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def served_logprobs(url: str, prompt: list, num: int) -> tuple[list, list]:
@@ -52,11 +35,6 @@ def served_logprobs(url: str, prompt: list, num: int) -> tuple[list, list]:
     assert status == 200, out
     return out["output_ids"], [e[0] for e in out["meta_info"]["output_token_logprobs"]]
 
-
-def ref_logprobs(model, prompt: list, output: list) -> list:
-    with torch.no_grad():
-        lp = torch.log_softmax(model(input_ids=torch.tensor([prompt + output])).logits[0], dim=-1)
-    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
 
 
 @pytest.fixture(scope="module")

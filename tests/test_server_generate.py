@@ -16,21 +16,8 @@ import pytest
 import torch
 
 from megatron_bapo.server.launch import start_server
+from server_helpers import http, ref_logprobs
 
-
-def http(url: str, body=None, *, method: str = "POST", raw: bytes = None, timeout: float = 120.0):
-    """(status, parsed JSON or text) for one request."""
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, text = resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        status, text = err.code, err.read().decode()
-    try:
-        return status, json.loads(text) if text else None
-    except json.JSONDecodeError:
-        return status, text
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +39,6 @@ def tok(tiny_hf_dir):
 
     return AutoTokenizer.from_pretrained(tiny_hf_dir)
 
-
-def ref_logprobs(model, prompt: list, output: list) -> list:
-    """log p(output[i] | prompt + output[:i]) by one full forward (no cache)."""
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
 
 
 def ref_greedy(model, prompt: list, num: int) -> list:

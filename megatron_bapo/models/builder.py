@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_bapo.models.layer_spec import get_layer_spec
-from megatron_bapo.models.registry import ModelArgs, model_args_from_hf
+from megatron_bapo.models.registry import model_args_from_hf
 
 logger = logging.getLogger(__name__)
 

@@ -127,7 +127,7 @@ async def init_group(request: web.Request) -> web.Response:
     group_name = str(body.get("group_name") or DEFAULT_GROUP)
     backend = str(body.get("backend") or "nccl")
     if backend == "nccl" and not torch.cuda.is_available():
-        return _fail(f"backend 'nccl' needs CUDA, which this server does not have; send backend 'gloo'")
+        return _fail("backend 'nccl' needs CUDA, which this server does not have; send backend 'gloo'")
     if group_name in state.weight_groups:
         return _fail(f"group {group_name!r} already exists; destroy it first")
     try:
