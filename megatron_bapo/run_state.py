@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
-import torch
 
 TRAINER_STATE = "trainer.json"
 LATEST = "latest"
@@ -103,7 +102,6 @@ def _rng_state() -> dict[str, Any]:
     return {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch_seed_offset": int(torch.initial_seed() % (2**31)),
     }
 
 
