@@ -27,12 +27,14 @@ TIE = 1e-9
 # ----------------------------------------------------------------------------------------------
 # Independent reference: one full pass over the tokens per search step.
 # ----------------------------------------------------------------------------------------------
-def ref_contributions(r, a, m, w, c_low, c_high, cfg):
+def ref_contributions(r, a, m, w, c_low, c_high, cfg, bound_dtype=np.float64):
     r, a, m, w = (np.asarray(x, dtype=np.float64) for x in (r, a, m, w))
+    # Ratios are compared with the bounds as the ratio's dtype holds them (the loss does the same).
+    cmp_low, cmp_high = float(bound_dtype(c_low)), float(bound_dtype(c_high))
     on = m > 0
     if cfg.contribution == "gradient":
-        pos = on & (a > 0) & (r <= c_high)
-        neg = on & (a < 0) & (r >= c_low)
+        pos = on & (a > 0) & (r <= cmp_high)
+        neg = on & (a < 0) & (r >= cmp_low)
         if cfg.dual_clip is not None:
             neg &= r <= cfg.dual_clip
         P = float(np.sum(w[pos] * a[pos] * r[pos]))
@@ -40,8 +42,9 @@ def ref_contributions(r, a, m, w, c_low, c_high, cfg):
     else:
         pos = on & (a > 0)
         neg = on & (a < 0)
-        P = float(np.sum(w[pos] * a[pos] * np.minimum(r[pos], c_high)))
-        N = float(np.sum(w[neg] * np.abs(a[neg]) * np.maximum(r[neg], c_low)))
+        # min(r, c_high) and max(r, c_low), with the clipped side decided in the ratio's dtype.
+        P = float(np.sum(w[pos] * a[pos] * np.where(r[pos] <= cmp_high, r[pos], c_high)))
+        N = float(np.sum(w[neg] * np.abs(a[neg]) * np.where(r[neg] >= cmp_low, r[neg], c_low)))
     return P, N
 
 
@@ -53,12 +56,12 @@ def ref_metric(P, N, metric):
     return math.inf if N == 0 else P / N
 
 
-def ref_search(r, a, m, w, cfg):
+def ref_search(r, a, m, w, cfg, bound_dtype=np.float64):
     """Returns (c_low, c_high, steps, metrics visited)."""
     visited = []
 
     def rho(c_low, c_high):
-        value = ref_metric(*ref_contributions(r, a, m, w, c_low, c_high, cfg), cfg.metric)
+        value = ref_metric(*ref_contributions(r, a, m, w, c_low, c_high, cfg, bound_dtype), cfg.metric)
         visited.append(value)
         return value
 
@@ -152,6 +155,22 @@ def test_search_equals_literal_algorithm(batch, cfg):
     assert got.c_high == pytest.approx(ref_high, abs=1e-12)
     assert got.rho_initial == pytest.approx(visited[0], rel=1e-9, abs=1e-12)
     assert got.rho == pytest.approx(visited[-1], rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(), cfg=configs)
+def test_float32_search_equals_literal_algorithm(batch, cfg):
+    """float32 inputs take the float32 working path (arithmetic bin index, exact float64 products);
+    the reference sees the same float32 values and float32-rounded bounds."""
+    r, a, m, lpb = (np.asarray(x, dtype=np.float32) for x in batch)
+    w = np.exp(lpb.astype(np.float64)) if cfg.weight == "rollout_prob" else np.ones(r.shape)
+    ref_low, ref_high, ref_steps, visited = ref_search(r, a, m, w, cfg, bound_dtype=np.float32)
+    assume(all(abs(v - cfg.rho0) > 1e-6 * (1 + cfg.rho0) for v in visited if math.isfinite(v)))
+    t = lambda x: torch.from_numpy(x)  # noqa: E731
+    got = search_clip_bounds(t(r), t(a), t(m), cfg, rollout_logprobs=t(lpb))
+    assert (got.num_steps, got.c_low, got.c_high) == (ref_steps, pytest.approx(ref_low, abs=1e-12),
+                                                       pytest.approx(ref_high, abs=1e-12))
+    assert got.rho == pytest.approx(visited[-1], rel=1e-6, abs=1e-9)
 
 
 @settings(max_examples=300, deadline=None)
@@ -263,20 +282,57 @@ def test_float32_inputs_and_grid_never_accumulates_floats():
     assert (res32.c_low, res32.c_high) == (res64.c_low, res64.c_high)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("grid", [(0.6, 0.9, 0.02, False), (1.2, 3.0, 0.05, False), (0.8, 0.97, 0.05, True),
-                                  (1.0, 1.01, 0.0001, False)])
-def test_grid_counter_is_exact_on_and_around_every_grid_value(dtype, grid):
-    """The arithmetic bin index equals searchsorted on values exactly on, one ulp beside, and between
-    grid values, and past both ends (clamped and bf16-tiny-step grids take the searchsorted path)."""
-    from megatron_bapo.algorithms.bound_search import _GridCounter, bound_grid
+GRIDS = {
+    "paper": dict(low_start=0.6, low_max=0.9, low_step=0.02, high_start=1.2, high_max=3.0, high_step=0.05),
+    "verl-clamped": dict(low_start=0.8, low_max=0.97, low_step=0.05, high_start=1.2, high_max=2.05, high_step=0.1,
+                         order="verl"),
+    "tiny-step": dict(low_start=0.99, low_max=0.995, low_step=0.0001, high_start=1.0, high_max=1.01, high_step=0.0001),
+}
 
-    start, stop, step, clamp = grid
-    g64 = bound_grid(start, stop, step, clamp_to_stop=clamp)
-    g = g64.to(dtype)
-    probes = torch.cat([g, torch.nextafter(g, g + 1), torch.nextafter(g, g - 1), (g[:-1] + g[1:]) / 2,
-                        g.new_tensor([0.0, start - step, stop + step, 1e30 if dtype != torch.float16 else 6e4])])
-    for inclusive in (False, True):
-        counter = _GridCounter(g64, g, step, inclusive=inclusive)
-        torch.testing.assert_close(counter.count(probes), torch.searchsorted(g, probes, right=inclusive), rtol=0, atol=0)
-        counter.count(probes.new_tensor([math.inf, -math.inf]))  # never an index error (NaN is the caller's job)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grid", sorted(GRIDS))
+def test_bin_index_is_exact_on_and_around_every_grid_value(dtype, grid):
+    """The arithmetic bin index equals searchsorted (strict for positive tokens on the high grid,
+    inclusive for negative ones on the low grid) on values exactly on, one ulp beside and between
+    grid values, and past both ends. Clamped grids and coarse dtypes with a tiny step take the
+    searchsorted path; both paths are checked."""
+    from megatron_bapo.algorithms.bound_search import _BinIndex, _Workspace
+
+    cfg = BapoConfig(**GRIDS[grid])
+    clamp = cfg.order == "verl"
+    high64 = bound_grid(cfg.high_start, cfg.high_max, cfg.high_step, clamp_to_stop=clamp)
+    low64 = bound_grid(cfg.low_start, cfg.low_max, cfg.low_step, clamp_to_stop=clamp)
+    binner = _BinIndex(high64, low64, cfg, dtype, torch.device("cpu"))
+    big = 1e30 if dtype != torch.float16 else 6e4
+    probes = []
+    for g64, step in ((high64, cfg.high_step), (low64, cfg.low_step)):
+        g = g64.to(dtype)
+        probes += [g, torch.nextafter(g, g + 1), torch.nextafter(g, g - 1), (g[:-1] + g[1:]) / 2,
+                   g.new_tensor([0.0, float(g64[0]) - step, float(g64[-1]) + step, big])]
+    r = torch.cat(probes)
+    r = torch.cat([r, r])
+    neg = torch.cat([torch.zeros(r.numel() // 2), -torch.ones(r.numel() // 2)]).to(binner.work)
+    high, low = high64.to(dtype), low64.to(dtype)
+    expected = torch.where(neg < 0, torch.searchsorted(low, r, right=True) + high.numel() + 1,
+                           torch.searchsorted(high, r))
+    ws = _Workspace.get(r.numel(), binner.work, torch.float32, r.device).view(r.numel())
+    got = binner.index(r.to(binner.work), neg, ws)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    if dtype in (torch.float32, torch.float64) and grid == "paper":
+        assert binner.fast
+    if grid == "verl-clamped" or (grid == "tiny-step" and dtype in (torch.bfloat16, torch.float16)):
+        assert not binner.fast
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.int64, torch.float64])
+def test_mask_dtypes_and_non_unit_values_mean_in_or_out(mask_dtype):
+    """Any nonzero mask value puts a token in the loss, whatever the mask's dtype (as bool() would)."""
+    g = torch.Generator().manual_seed(3)
+    r = torch.exp(torch.randn(500, generator=g) * 0.3)
+    a = torch.randn(500, generator=g)
+    on = torch.rand(500, generator=g) < 0.7
+    ref = search_clip_bounds(r, a, on.float(), BapoConfig())
+    mask = on.to(mask_dtype) if mask_dtype in (torch.bool, torch.int64) else on.to(mask_dtype) * 0.5
+    res = search_clip_bounds(r, a, mask, BapoConfig())
+    assert res == ref
