@@ -57,6 +57,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Expected on a CPU-only install (TE/Apex are GPU extras); not worth a screen of warnings per run.
     for message in ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated"):
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    # megatron-core's checkpoint loader still uses torch's deprecated load_state_dict and
+    # ShardedTensor: notices for megatron-core, printed on every resume, that a user cannot act on.
+    for message in ("`load_state_dict` is deprecated", "Please use DTensor instead"):
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     from megatron_bapo.trainer import Trainer
 
     history = Trainer(config).run()
