@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import contextlib
 import logging
-import os
 import signal
 import time
 from pathlib import Path
@@ -31,16 +30,9 @@ from megatron_bapo import run_state
 from megatron_bapo.config import RunConfig, dump_run_config
 from megatron_bapo.experience import build_experience
 from megatron_bapo.metrics import MetricsWriter
-from megatron_bapo.sync.sender import free_port
+from megatron_bapo.models.parallel import init_distributed_env
 
 logger = logging.getLogger(__name__)
-
-
-def init_distributed_env() -> None:
-    """Let a plain `python -m megatron_bapo.train` run as a one-rank job (torchrun/srun set these)."""
-    if "RANK" in os.environ:
-        return
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 class Trainer:

@@ -11,18 +11,13 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_bapo.models.parallel import free_port  # noqa: F401 - the tests' one port helper
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue) -> None:

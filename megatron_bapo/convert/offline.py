@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -41,16 +40,10 @@ MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 def ensure_single_process_groups() -> None:
     """A world of one process with megatron's TP=PP=1 groups (dist_checkpointing needs a process group)."""
-    from megatron_bapo.models.parallel import ParallelConfig, initialize_model_parallel
+    from megatron_bapo.models.parallel import ParallelConfig, init_distributed_env, initialize_model_parallel
 
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+        init_distributed_env()
     initialize_model_parallel(ParallelConfig(backend="gloo"), seed=0)
     if dist.get_world_size() != 1:
         raise RuntimeError("offline conversion runs in one process (world size 1)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -118,6 +119,20 @@ class ParallelGroups:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.config.pp - 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (for a rendezvous this process hosts)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_distributed_env() -> None:
+    """Let a plain `python ...` run as a one-rank job (torchrun/srun set these themselves)."""
+    if "RANK" in os.environ:
+        return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def initialize_model_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> ParallelGroups:

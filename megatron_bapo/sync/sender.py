@@ -16,9 +16,9 @@ rendezvous or broadcasts. The group construction and the request body are the se
 from __future__ import annotations
 
 import logging
-import socket
 from typing import Iterable, Optional, Sequence
 
+from megatron_bapo.models.parallel import free_port
 from megatron_bapo.server.distributed import (
     DEFAULT_GROUP,
     broadcast_weights,
@@ -29,12 +29,6 @@ from megatron_bapo.server.distributed import (
 from megatron_bapo.sync.http import ControlCalls, WeightSyncError
 
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class DistributedWeightSender:
