@@ -85,7 +85,7 @@ class DistributedWeightSync:
             self._sender.connect()
         except Exception:
             self._sender, sender = None, self._sender
-            sender.calls.close()
+            sender.close()
             raise
 
     # ------------------------------------------------------------------ sync
@@ -134,5 +134,4 @@ class DistributedWeightSync:
         """Leave the group on every server and here (best effort)."""
         if self._sender is not None:
             self._sender.close()
-            self._sender.calls.close()
             self._sender = None

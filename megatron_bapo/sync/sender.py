@@ -48,8 +48,8 @@ class DistributedWeightSender:
         self.master_address = master_address
         self.master_port = master_port or free_port(master_address)
         self.pg = None
-        self._own_calls = calls is None
         self.calls = calls or ControlCalls(timeout_s)
+        """HTTP calls to the servers; the sender owns them (also ones passed in) and closes them in `close()`."""
 
     def _post_all(self, path: str, bodies: Sequence[dict]) -> list:
         return self.calls.post_all(self.urls, path, list(bodies))
@@ -93,7 +93,8 @@ class DistributedWeightSender:
         return count
 
     def close(self) -> None:
-        """Leave the group on every server (best effort: a dead server must not block teardown) and here."""
+        """Leave the group on every server (best effort: a dead server must not block teardown) and here;
+        then stop the HTTP calls."""
         if self.pg is not None:
             try:
                 self.calls.wait_all(self._post_all("/destroy_weights_update_group",
@@ -102,5 +103,4 @@ class DistributedWeightSender:
                 logger.warning("destroy_weights_update_group: %s", exc)
             destroy_weights_update_group(self.pg)
             self.pg = None
-        if self._own_calls:
-            self.calls.close()
+        self.calls.close()
