@@ -9,15 +9,23 @@
 from megatron_bapo.algorithms.advantages import dr_grpo_advantages, grpo_advantages, uniform_group_mask
 from megatron_bapo.algorithms.bound_search import BoundSearchResult, balance_metric, bound_grid, search_clip_bounds
 from megatron_bapo.algorithms.config import PRESETS, BapoConfig
-from megatron_bapo.algorithms.policy_loss import AGG_MODES, finalize_loss_metrics, policy_loss
+from megatron_bapo.algorithms.policy_loss import (
+    AGG_MODES,
+    aggregation_weights,
+    clamped_log_ratio,
+    finalize_loss_metrics,
+    policy_loss,
+)
 
 __all__ = [
     "AGG_MODES",
     "PRESETS",
     "BapoConfig",
     "BoundSearchResult",
+    "aggregation_weights",
     "balance_metric",
     "bound_grid",
+    "clamped_log_ratio",
     "dr_grpo_advantages",
     "finalize_loss_metrics",
     "grpo_advantages",

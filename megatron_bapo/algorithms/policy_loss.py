@@ -16,6 +16,15 @@ Aggregation and why the denominator is global: with "token-mean" the loss of a m
 mini-batch over all micro-batches and data-parallel ranks. Summing these micro-batch losses (what
 gradient accumulation and the DP all-reduce do) then gives exactly the single-process mean over the
 mini-batch, whatever the split. A per-micro-batch mean would over-weight short micro-batches.
+Every mode is a weighted token sum `sum(w_t loss_t) / D` (`aggregation_weights`); a caller that
+splits sequences across ranks or packs them (context parallel, THD) computes `w` and `D` on the
+whole mini-batch and passes them in (`token_weights`, `denominator`).
+
+Extreme ratios: the log-ratio is clamped to +-LOG_RATIO_LIMIT before exp(), so a finite but extreme
+behavior log-prob (a server bug, a token the current policy all but forbids) cannot overflow the
+ratio into inf and then NaN (an inf in the unselected branch of the clipped term still yields
+`0 * inf` in its gradient). At the limit r is 4.8e8 or 2e-9: such a token is clipped, or passes a
+gradient of at most that size (negative advantage without dual clip) or of essentially zero.
 """
 
 from __future__ import annotations
@@ -25,6 +34,35 @@ from typing import Optional
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOG_RATIO_LIMIT = 20.0
+"""|logp - logp_behavior| is clamped to this before exp() (ratios in [2e-9, 4.8e8])."""
+
+
+def clamped_log_ratio(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor) -> torch.Tensor:
+    """`logprobs - behavior_logprobs` clamped to +-LOG_RATIO_LIMIT: the log-ratio the loss uses, so a
+    bound search over exp() of it sees exactly the loss's ratios (finite for any finite input)."""
+    return (logprobs - behavior_logprobs.to(logprobs.dtype)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+def aggregation_weights(mask: torch.Tensor, agg: str) -> tuple[torch.Tensor, float]:
+    """Per-token weights `w` and denominator `D` with `agg(loss) == sum(w * loss_t) / D`.
+
+    mask: `[B, T]` loss mask of the WHOLE mini-batch (the last dim is the sequence).
+    token-mean: w = mask, D = number of loss tokens; seq-mean-token-mean: w = mask / (loss tokens of
+    the row), D = rows with a loss token; seq-mean-token-sum: w = mask, D = rows with a loss token.
+    D is at least 1. The weights travel with their tokens through any split (micro-batches, DP, CP,
+    packing), so every split sums to the same loss.
+    """
+    if agg not in AGG_MODES:
+        raise ValueError(f"aggregation_weights: agg must be one of {AGG_MODES}, got {agg!r}")
+    m = mask.to(torch.float64)
+    if agg == "token-mean":
+        return m, max(float(m.sum()), 1.0)
+    seq_tokens = m.sum(-1, keepdim=True)
+    num_seqs = max(float((seq_tokens > 0).sum()), 1.0)
+    if agg == "seq-mean-token-mean":
+        return m / seq_tokens.clamp(min=1.0), num_seqs
+    return m, num_seqs
 
 
 def policy_loss(
@@ -39,6 +77,8 @@ def policy_loss(
     agg: str = "token-mean",
     num_global_tokens: Optional[float] = None,
     num_global_seqs: Optional[float] = None,
+    token_weights: Optional[torch.Tensor] = None,
+    denominator: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy loss and its reduction-ready statistics.
 
@@ -56,6 +96,10 @@ def policy_loss(
             this call's own token count (single-process use).
         num_global_seqs: seq-mean denominator (sequences with at least one loss token, globally);
             None uses this call's own count.
+        token_weights, denominator: precomputed aggregation (`aggregation_weights` over the whole
+            mini-batch, same shape as `mask`): the loss is `sum(token_weights * loss_t) /
+            denominator` and `agg` / `num_global_*` are not used. For callers whose tokens of one
+            sequence are split or packed (the actor).
 
     Returns:
         loss: scalar; summing it over the micro-batches of a mini-batch (and over DP ranks) gives
@@ -77,10 +121,12 @@ def policy_loss(
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"policy_loss: dual_clip must be > 1 or None, got {dual_clip}")
 
+    if (token_weights is None) != (denominator is None):
+        raise ValueError("policy_loss: token_weights and denominator go together")
     maskf = mask.to(logprobs.dtype)
     keep = mask.to(torch.bool)
     # Padding may hold arbitrary log-probs; keep them out of exp() so no inf*0 NaN reaches the grad.
-    log_ratio = torch.where(keep, logprobs - behavior_logprobs.to(logprobs.dtype), torch.zeros_like(logprobs))
+    log_ratio = torch.where(keep, clamped_log_ratio(logprobs, behavior_logprobs), torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)
     adv = advantages.to(logprobs.dtype)
 
@@ -98,16 +144,13 @@ def policy_loss(
     term = torch.where(passes, ratio * adv, bound * adv)
     token_loss = -term * maskf
 
-    if agg == "token-mean":
-        denom = maskf.sum() if num_global_tokens is None else num_global_tokens
-        loss = token_loss.sum() / _safe(denom)
-    else:
-        seq_tokens = maskf.sum(-1)
-        seq_loss = token_loss.sum(-1)
-        if agg == "seq-mean-token-mean":
-            seq_loss = seq_loss / seq_tokens.clamp(min=1.0)
-        denom = (seq_tokens > 0).sum() if num_global_seqs is None else num_global_seqs
-        loss = seq_loss.sum() / _safe(denom)
+    if token_weights is None:
+        token_weights, denominator = aggregation_weights(mask, agg)
+        if agg == "token-mean" and num_global_tokens is not None:
+            denominator = num_global_tokens
+        elif agg != "token-mean" and num_global_seqs is not None:
+            denominator = num_global_seqs
+    loss = (token_weights.to(token_loss.dtype) * token_loss).sum() / _safe(denominator)
 
     with torch.no_grad():
         lr64 = log_ratio.detach().to(torch.float64)
