@@ -8,11 +8,15 @@ all-reduce), and, for the entropy, the expected logit (one all-reduce). Only per
 kept; the backward recomputes each chunk's softmax from the saved log-sum-exp, so the peak extra
 memory is `chunk_size x V/TP` floats on top of the logits and their gradient.
 
-Gradients (per token, local vocab column j, p = softmax, l = logits, lse = log-sum-exp):
+Temperature: the rollout servers sample from (and report log-probs of) softmax(logits / T), as
+SGLang does, so the trainer's log-probs and entropy are those of the same distribution: every
+formula below is applied to l = logits / T (the division happens per chunk, in fp32).
+
+Gradients (per token, local vocab column j, p = softmax(l), l = logits / T, lse = log-sum-exp):
     d logp / d l_j = 1[j == target] - p_j
     d H    / d l_j = -p_j (l_j - lse + H)
-Both need only global scalars (lse, H) that the forward already reduced: the backward has no
-communication.
+and d l_j / d logits_j = 1 / T. They need only global scalars (lse, H) that the forward already
+reduced: the backward has no communication.
 
 Vocabulary padding: columns with global id >= `vocab_size` (the real HF vocabulary) are a suffix
 of the vocabulary, so each rank simply ignores the padded tail of its slice (no copy, no -inf):
@@ -41,9 +45,15 @@ def _real_width(vocab_start: int, v_local: int, vocab_size: Optional[int]) -> in
     return max(0, min(v_local, vocab_size - vocab_start))
 
 
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 `x / T` (a view of fp32 logits when T == 1, else one chunk-sized temporary)."""
+    x = x.float()
+    return x if temperature == 1.0 else x / temperature
+
+
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_size, chunk_size, with_entropy):
+    def forward(ctx, logits, targets, group, vocab_size, chunk_size, with_entropy, temperature):
         n, v_local = logits.shape
         rank = dist.get_rank(group) if group is not None and dist.get_world_size(group) > 1 else 0
         vocab_start = rank * v_local
@@ -53,7 +63,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         ent = torch.empty(n, dtype=torch.float32, device=logits.device) if with_entropy else None
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            x = logits[s:e, :width].float()  # a view when the logits are fp32 already
+            x = _scaled(logits[s:e, :width], temperature)
             if width:
                 m = x.max(dim=-1).values
             else:
@@ -82,7 +92,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
                 ent[s:e] = lse - packed[2] / packed[0]
             del x, ex
         ctx.save_for_backward(logits, targets, lse_all, ent if with_entropy else lse_all)
-        ctx.meta = (vocab_start, width, chunk_size, with_entropy)
+        ctx.meta = (vocab_start, width, chunk_size, with_entropy, temperature)
         if with_entropy:
             return logp, ent
         return logp, torch.zeros(0, dtype=torch.float32, device=logits.device)
@@ -90,7 +100,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         logits, targets, lse_all, ent = ctx.saved_tensors
-        vocab_start, width, chunk_size, with_entropy = ctx.meta
+        vocab_start, width, chunk_size, with_entropy, temperature = ctx.meta
         n, v_local = logits.shape
         grad = torch.empty_like(logits)
         if width < v_local:
@@ -100,7 +110,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             e = min(s + chunk_size, n)
             if not width:
                 continue
-            x = logits[s:e, :width].float()
+            x = _scaled(logits[s:e, :width], temperature)
             g = x - lse_all[s:e].unsqueeze(-1)
             g.exp_()  # softmax p
             if use_ent:
@@ -117,9 +127,11 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             if use_ent:
                 g.add_(t)
                 del t
+            if temperature != 1.0:
+                g.div_(temperature)  # d(logits / T) / d logits
             grad[s:e, :width] = g.to(grad.dtype)
             del x, g
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -130,6 +142,7 @@ def vocab_parallel_logprobs(
     vocab_size: Optional[int] = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = True,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-prob of `targets` and the full-distribution entropy, from this rank's vocab slice.
 
@@ -141,12 +154,15 @@ def vocab_parallel_logprobs(
         vocab_size: real vocabulary size; columns at or beyond it are masked (padding).
         chunk_size: tokens per chunk; peak extra memory is `chunk_size x V/TP` fp32 values.
         with_entropy: also return the entropy (costs one more reduction per chunk).
+        temperature: T > 0 of the sampling distribution softmax(logits / T) (the rollout's).
 
     Returns `(logprobs, entropy)`, fp32, shape `[...]`; entropy is None without `with_entropy`.
     Identical on every rank of `tp_group`.
     """
     if chunk_size < 1:
         raise ValueError(f"vocab_parallel_logprobs: chunk_size must be >= 1, got {chunk_size}")
+    if not temperature > 0:
+        raise ValueError(f"vocab_parallel_logprobs: temperature must be > 0, got {temperature}")
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
             f"vocab_parallel_logprobs: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree"
@@ -154,7 +170,7 @@ def vocab_parallel_logprobs(
     lead = targets.shape
     flat = logits.reshape(-1, logits.shape[-1])
     lp, ent = _VocabParallelLogProbEntropy.apply(
-        flat, targets.reshape(-1).long(), tp_group, vocab_size, chunk_size, with_entropy
+        flat, targets.reshape(-1).long(), tp_group, vocab_size, chunk_size, with_entropy, float(temperature)
     )
     return lp.reshape(lead), (ent.reshape(lead) if with_entropy else None)
 
