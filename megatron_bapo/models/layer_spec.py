@@ -1,18 +1,18 @@
-"""Transformer layer spec: Transformer Engine on GPUs, megatron-core local modules + SDPA on CPU.
+"""Transformer layer spec: Transformer Engine on GPUs, megatron-core local modules + SDPA elsewhere.
 
-megatron-core's local `DotProductAttention` allocates its score buffer on CUDA, so without CUDA the
-core attention is `SdpaAttention`, a drop-in module over `torch.nn.functional.scaled_dot_product_attention`
-(causal; right-padded batches need no extra mask because padding comes after every real token).
+megatron-core's local `DotProductAttention` allocates its score buffer on CUDA, so the local spec's
+core attention is `SdpaAttention` (`models.cpu_attention`: padded, packed and context-parallel
+inputs over `torch.nn.functional.scaled_dot_product_attention`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
+
+from megatron_bapo.models.cpu_attention import sdpa_attention_class
 
 logger = logging.getLogger(__name__)
 
@@ -24,63 +24,6 @@ def have_transformer_engine() -> bool:
     except Exception:  # noqa: BLE001 - any import failure means "not usable"
         return False
     return True
-
-
-def _sdpa_attention_class():
-    from megatron.core.transformer.module import MegatronModule
-
-    class SdpaAttention(MegatronModule):
-        """Core attention on `scaled_dot_product_attention`; signature of megatron's DotProductAttention.
-
-        Inputs are megatron's layout: query `[sq, b, np, hn]`, key/value `[sk, b, ng, hn]` (GQA: ng
-        divides np); returns `[sq, b, np * hn]`. Only causal self-attention without packing.
-        """
-
-        def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                     attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                     cp_comm_type: Optional[str] = None, pg_collection=None) -> None:
-            super().__init__(config=config)
-            if config.context_parallel_size != 1:
-                raise ValueError("SdpaAttention: context parallelism needs the Transformer Engine spec")
-            self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-            self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
-            self.attn_mask_type = attn_mask_type
-
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
-            if packed_seq_params is not None or attention_bias is not None:
-                raise ValueError("SdpaAttention: packed sequences and attention bias need the Transformer Engine spec")
-            sq, b, nh, hn = query.shape
-            q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
-            k = key.permute(1, 2, 0, 3)
-            v = value.permute(1, 2, 0, 3)
-            dropout = self.dropout_p if self.training else 0.0
-            if dropout:
-                from megatron.core import tensor_parallel
-
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    out = F.scaled_dot_product_attention(
-                        q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale,
-                        enable_gqa=k.shape[1] != nh,
-                    )
-            else:
-                out = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != nh
-                )
-            return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hn)
-
-    return SdpaAttention
-
-
-_SDPA = None
-
-
-def sdpa_attention_class():
-    """The SDPA core-attention module class (built lazily so importing this file needs no megatron)."""
-    global _SDPA
-    if _SDPA is None:
-        _SDPA = _sdpa_attention_class()
-    return _SDPA
 
 
 def get_layer_spec(*, use_te: Optional[bool] = None):

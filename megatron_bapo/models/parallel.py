@@ -29,11 +29,13 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size; must divide the number of layers."""
     cp: int = 1
-    """Context-parallel size (needs the Transformer Engine spec, i.e. GPUs)."""
+    """Context-parallel size: each sequence is split into 2*cp chunks, CP rank i holding chunks i
+    and 2*cp-1-i (TE attention on GPUs; an all-gather attention on CPU)."""
     vpp: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved 1F1B); None = plain 1F1B."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (only meaningful with tp > 1)."""
+    """Megatron sequence parallelism: activations outside attention/MLP split over the TP ranks
+    along the sequence (needs tp > 1)."""
     backend: str = "auto"
     """torch.distributed backend: "auto" (nccl with CUDA, gloo without), "gloo" or "nccl"."""
     timeout_minutes: int = 30
@@ -87,8 +89,6 @@ class ParallelConfig:
             raise ValueError(
                 f"ParallelConfig.pp={self.pp} (x vpp={self.vpp or 1}) must divide the number of layers ({num_layers})"
             )
-        if self.cp > 1 and not torch.cuda.is_available():
-            raise ValueError("ParallelConfig.cp > 1 needs CUDA and Transformer Engine (TEDotProductAttention)")
 
 
 @dataclass
@@ -104,12 +104,17 @@ class ParallelGroups:
     """Data-parallel group without CP (gradient reduction of non-CP params is over dp x cp in megatron)."""
     dp_cp_group: "dist.ProcessGroup"
     """Data x context parallel group: holds the rest of a mini-batch's tokens (bound search, token counts)."""
+    cp_group: "dist.ProcessGroup"
+    """Context-parallel group: the ranks holding the other chunks of the same sequences."""
     mp_group: "dist.ProcessGroup"
+    world_group: "dist.ProcessGroup"
+    """Every actor rank (decisions all ranks must share: skipped steps, checkpoint barriers)."""
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
     dp_size: int = 1
     cp_rank: int = 0
+    cp_size: int = 1
     extra: dict = field(default_factory=dict)
 
     @property
@@ -183,12 +188,15 @@ def initialize_model_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> Paral
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        cp_group=ps.get_context_parallel_group(),
         mp_group=ps.get_model_parallel_group(),
+        world_group=dist.group.WORLD,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
     )
     logger.info(
         "parallel layout: world=%d tp=%d pp=%d cp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d)",
