@@ -138,7 +138,10 @@ def test_minibatches_and_epochs_with_adam_dp2_equals_dp1(run_dist):
     (m1, n1, p1), = run_dist(_multi, 1, {}, timeout=120)
     res = run_dist(_multi, 2, {"budget": 50}, timeout=120)
     assert n1 == 4 and m1["actor/num_optimizer_steps"] == 4
-    assert m1["staleness/max"] == 2 and 0 < m1["staleness/frac_2"] < 1
+    # Staleness in optimizer steps: 4 steps per call; rows 0-1 (version 1) sit in mini-batch 0,
+    # trained at steps 0 and 2: (3 - 1) * 4 + 2 = 10 at most; version-3 rows of mini-batch 1 are 1 or 3.
+    assert m1["staleness/max"] == 10 and m1["staleness/version_lag_max"] == 2
+    assert 0 < m1["staleness/frac_0"] < 1 and 0 < m1["staleness/frac_1"] < 1
     for m, n, p in res:
         assert n == 4
         for name, ref in p1.items():

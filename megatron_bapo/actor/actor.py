@@ -4,12 +4,19 @@ One `train_step(batch)` = `ppo_epochs` x `n_minibatches` optimizer steps. Per mi
   1. (search_scope "minibatch") forward-only pass over the mini-batch for the current log-probs;
   2. `search_clip_bounds` on the last pipeline stage over the DP x CP group (one collective);
   3. megatron's `get_forward_backward_func()` over token-budget micro-batches with `policy_loss`;
-  4. optimizer step + LR schedule step.
+  4. grad norm; a non-finite one skips the step on every rank; else optimizer + LR schedule step.
 
-Global token mean: the loss function returns the micro-batch's SUM of token losses and its token
-count; with `calculate_per_token_loss` megatron sums gradients over micro-batches and DP ranks and
-divides once by the total count (`finalize_model_grads`), which is exactly the single-process mean
-over the mini-batch for any DP/micro-batch split.
+Micro-batches are packed (THD) or padded and sliced per context-parallel rank by `actor.layout`;
+log-probs and entropy are those of the sampling distribution softmax(logits / T), T being the
+rollout temperature the batch carries.
+
+Global aggregation: every token carries an aggregation weight computed on the whole mini-batch
+(`aggregation_weights`: token-mean, or a sequence mean that would otherwise need a sequence's
+tokens together). megatron (`calculate_per_token_loss`) sums the micro-batch losses and the
+returned token counts over micro-batches and DP x CP ranks and divides the gradient once by the
+total count S (`finalize_model_grads`); so each micro-batch returns `(S / D) * sum(w_t loss_t)`,
+and the gradient is that of `sum(w_t loss_t) / D` over the mini-batch, exactly the single-process
+loss for any DP / CP / micro-batch / packing split.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ import torch.distributed as dist
 
 from megatron_bapo.actor import batching
 from megatron_bapo.actor.config import ActorConfig
-from megatron_bapo.actor.logprobs import token_aligned_logprobs
+from megatron_bapo.actor.layout import POSITION_KEYS, MicroBatchLayout, build_microbatch, empty_like_microbatch
+from megatron_bapo.actor.logprobs import vocab_parallel_logprobs
 from megatron_bapo.actor.metrics import MetricSums, acc_keys, average_steps, staleness_metrics
-from megatron_bapo.algorithms import policy_loss, search_clip_bounds
+from megatron_bapo.algorithms import aggregation_weights, clamped_log_ratio, policy_loss, search_clip_bounds
 from megatron_bapo.models.builder import build_gpt_model
 from megatron_bapo.models.parallel import ParallelGroups, initialize_model_parallel
 
@@ -36,8 +44,12 @@ logger = logging.getLogger(__name__)
 REQUIRED_KEYS = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "advantages")
 
 
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 class Actor:
-    """Megatron-core policy model under TP/PP/DP with BAPO updates.
+    """Megatron-core policy model under TP/PP/CP/DP with BAPO updates.
 
     Attributes used by other components: `model` (list of DDP-wrapped model chunks), `parallel`
     (`ParallelGroups`), `optimizer`, `scheduler`, `num_updates` (optimizer steps taken).
@@ -51,34 +63,31 @@ class Actor:
         self.config = config
         self.hf_config = hf_config
         self.parallel = groups or initialize_model_parallel(config.parallel, seed=config.seed)
+        pc = config.parallel
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
-        self.distributed_optimizer = config.use_distributed_optimizer and torch.cuda.is_available()
-        if config.use_distributed_optimizer and not self.distributed_optimizer:
-            logger.warning(
-                "ActorConfig.use_distributed_optimizer=True without CUDA: using the plain FP32 optimizer, "
-                "because distributed-optimizer checkpoints do not restore exactly without Apex/TE"
-            )
+        self.distributed_optimizer = config.use_distributed_optimizer
         torch.manual_seed(config.seed)  # identical initial weights on every DP rank
-        vpp = config.parallel.vpp
         # Micro-batches have different shapes (token budget); PP must then exchange shapes.
         # (megatron rejects variable lengths with the default MoE dispatcher even for dense models.)
-        overrides = dict(calculate_per_token_loss=True, **config.recompute_overrides())
-        if config.parallel.pp > 1:
+        overrides = dict(calculate_per_token_loss=True, sequence_parallel=pc.sequence_parallel,
+                         **config.recompute_overrides())
+        if pc.pp > 1:
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
-        chunks = []
-        for stage in range(vpp or 1):
-            chunks.append(
-                build_gpt_model(
-                    hf_config, dtype=dtype, vp_stage=stage if vpp else None,
-                    vocab_divisible_by=config.vocab_divisible_by, config_overrides=overrides,
-                )
-            )
+        chunks = [
+            build_gpt_model(hf_config, dtype=dtype, vp_stage=stage if pc.vpp else None,
+                            vocab_divisible_by=config.vocab_divisible_by, config_overrides=overrides)
+            for stage in range(pc.vpp or 1)
+        ]
         self.hf_vocab_size = chunks[0].hf_vocab_size
+        self.layout = MicroBatchLayout(
+            packed=config.packing, cp_size=self.parallel.cp_size, cp_rank=self.parallel.cp_rank,
+            sp_size=pc.tp if pc.sequence_parallel else 1,
+        )
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
             use_distributed_optimizer=self.distributed_optimizer,
-            check_for_nan_in_grad=False,
+            check_for_nan_in_grad=False,  # a non-finite grad norm skips the step instead (below)
         )
         self.model = [
             DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
@@ -105,9 +114,11 @@ class Actor:
         )
         self.num_updates = 0
         self.num_skipped_steps = 0
+        self._temperature = 1.0
+        """Sampling temperature of the batch being processed (set by train_step / compute_logprobs)."""
 
     # ------------------------------------------------------------------ batches
-    def _check_batch(self, batch: dict[str, torch.Tensor], keys=REQUIRED_KEYS) -> None:
+    def _check_batch(self, batch: dict[str, Any], keys=REQUIRED_KEYS) -> None:
         missing = [k for k in keys if k not in batch]
         if missing:
             raise ValueError(f"Actor batch is missing {missing}; required: {list(keys)}")
@@ -115,41 +126,42 @@ class Actor:
         for k, v in batch.items():
             if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape != shape:
                 raise ValueError(f"Actor batch[{k!r}] has shape {tuple(v.shape)}, expected {tuple(shape)}")
+        temperature = float(batch.get("temperature", 1.0))
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"Actor batch['temperature'] must be a finite number > 0, got {temperature}")
 
-    def _microbatches(self, batch: dict[str, torch.Tensor], rows: slice | list[int]) -> list[dict]:
-        """This DP rank's micro-batches of the given rows, each trimmed to its longest sequence."""
-        index = list(range(batch["input_ids"].shape[0]))[rows] if isinstance(rows, slice) else list(rows)
-        lengths = [int(batch["attention_mask"][i].sum()) for i in index]
-        plan = batching.plan_microbatches(lengths, self.parallel.dp_size, self.config.max_tokens_per_microbatch)
-        mine = plan[self.parallel.dp_rank]
+    def _microbatches(self, data: dict[str, torch.Tensor]) -> list[dict]:
+        """This rank's micro-batches of `data` (token-aligned `[rows, T]`), same count on every DP rank."""
+        lengths = [int(n) for n in data["attention_mask"].sum(-1)]
+        plan = batching.plan_microbatches(lengths, self.parallel.dp_size, self.config.max_tokens_per_microbatch,
+                                          cost=self.layout.cost)
         out = []
-        for group in mine:
+        for group in plan[self.parallel.dp_rank]:
             if group:
-                rows_g = [index[i] for i in group]
-                length = max(max(lengths[i] for i in group), 2)
-                mb = batching.gather_rows(batch, rows_g, length)
-                mb["rows"] = torch.tensor(rows_g, dtype=torch.long)
+                out.append(build_microbatch(data, group, self.layout))
             else:  # a rank with fewer rows than micro-batches runs a no-loss filler to keep counts equal
-                mb = batching.gather_rows(batch, [index[0]], 2)
-                mb["loss_mask"] = torch.zeros_like(mb["loss_mask"])
-                mb["rows"] = torch.tensor([-1], dtype=torch.long)
-            out.append(mb)
+                out.append(empty_like_microbatch(build_microbatch(data, [0], self.layout)))
         return out
 
     # ------------------------------------------------------------------ model passes
     def _forward_step(self, loss_fn, data_iterator, model):
         mb = next(data_iterator)
-        ids = mb["input_ids"]
-        pos = torch.arange(ids.shape[1], dtype=torch.long).unsqueeze(0).expand_as(ids)
-        if torch.cuda.is_available():
-            ids, pos = ids.cuda(), pos.cuda()
-        return model(ids, pos, None), partial(loss_fn, mb)
+        dev = _device()
+        packed = None
+        if "cu_seqlens" in mb:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu = mb["cu_seqlens"].to(dev)
+            n = int(mb["max_seqlen"])
+            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                                     cu_seqlens_kv_padded=cu, max_seqlen_q=n, max_seqlen_kv=n)
+        logits = model(mb["input_ids"].to(dev), mb["position_ids"].to(dev), None, packed_seq_params=packed)
+        return logits, partial(loss_fn, mb)
 
     def _logprobs(self, mb: dict, logits: torch.Tensor, with_entropy: bool = True):
-        ids = mb["input_ids"].to(logits.device)
-        return token_aligned_logprobs(
-            logits, ids, tp_group=self.parallel.tp_group, vocab_size=self.hf_vocab_size,
-            chunk_size=self.config.logprob_chunk_size, with_entropy=with_entropy,
+        return vocab_parallel_logprobs(
+            logits, mb["labels"].to(logits.device), tp_group=self.parallel.tp_group, vocab_size=self.hf_vocab_size,
+            chunk_size=self.config.logprob_chunk_size, with_entropy=with_entropy, temperature=self._temperature,
         )
 
     def _run(self, mbs: list[dict], loss_fn, *, forward_only: bool) -> list:
@@ -170,33 +182,32 @@ class Actor:
         lp, ent = self._logprobs(mb, logits)
         return torch.zeros((), device=logits.device), torch.tensor(1, dtype=torch.int), {"lp": lp.detach(), "ent": ent.detach()}
 
-    # ------------------------------------------------------------------ public API
-    @torch.no_grad()
-    def compute_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Current log-probs `[B, T]` aligned to the token (0 at position 0 and on padding).
-
-        Collective over all ranks; the result is identical on every rank.
-        """
-        self._check_batch(batch, ("input_ids", "attention_mask"))
-        keys = ("input_ids", "attention_mask")
-        data = {k: batch[k] for k in keys}
-        data["loss_mask"] = batch["attention_mask"]
+    def _forward_only(self, mbs: list[dict]) -> list:
         for m in self.model:
             m.eval()
+        with torch.no_grad():
+            return self._run(mbs, self._eval_loss, forward_only=True)
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def compute_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Current log-probs `[B, T]` aligned to the token (0 at position 0 and on padding), at the
+        batch's `temperature` (default 1). Collective over all ranks; identical on every rank."""
+        self._check_batch(batch, ("input_ids", "attention_mask"))
+        self._temperature = float(batch.get("temperature", 1.0))
+        data = {"input_ids": batch["input_ids"].long(), "attention_mask": batch["attention_mask"].long()}
+        for key in POSITION_KEYS:
+            data[key] = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
-        mbs = self._microbatches(data, slice(None))
-        stored = self._run(mbs, self._eval_loss, forward_only=True)
-        for mb, res in zip(mbs, stored):
-            if int(mb["rows"][0]) < 0:
-                continue
-            lp = res["lp"].double().cpu() * mb["attention_mask"].to(torch.float64)
-            out[mb["rows"], : lp.shape[1]] = lp
+        mbs = self._microbatches(data)
+        for mb, res in zip(mbs, self._forward_only(mbs)):
+            keep = mb["row"] >= 0
+            out[mb["row"][keep], mb["col"][keep]] = res["lp"].double().cpu()[keep]
         return self._share_from_last_stage(out).float()
 
     def _share_from_last_stage(self, t: torch.Tensor, reduce_dp: bool = True) -> torch.Tensor:
         """Sum over DP x CP on the last stage, then broadcast to the other pipeline stages."""
-        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        t = t.to(dev)
+        t = t.to(_device())
         if self.parallel.is_last_stage and reduce_dp and dist.get_world_size(self.parallel.dp_cp_group) > 1:
             dist.all_reduce(t, group=self.parallel.dp_cp_group)
         if self.parallel.config.pp > 1:
@@ -218,23 +229,28 @@ class Actor:
         out["loss_mask"] = mask.float()
         return out
 
-    def train_step(self, batch: dict[str, torch.Tensor], *, current_version: Optional[int] = None) -> dict[str, float]:
+    def train_step(self, batch: dict[str, Any], *, current_version: Optional[int] = None) -> dict[str, float]:
         """`ppo_epochs` x `n_minibatches` BAPO optimizer steps on the global batch (same on every rank).
 
         batch: CPU tensors `[B, T]`, right-padded and aligned to the token (value at [b, t] concerns
         input_ids[b, t]): input_ids, attention_mask, loss_mask, behavior_logprobs, advantages and
-        optionally versions (policy version per token; staleness is measured against
-        `current_version`, default the newest in the batch).
+        optionally versions (policy version per token); plus `temperature` (float, default 1), the
+        sampling temperature the behavior log-probs were computed at.
+        Staleness (`staleness/*`) counts optimizer steps: a token of version v trained in the k-th
+        optimizer step of this call is `(current_version - v) * steps_per_call + k` steps stale
+        (`current_version` defaults to the newest version in the batch).
         Returns metrics averaged over the optimizer steps, identical on every rank.
         """
         self._check_batch(batch)
+        self._temperature = float(batch.get("temperature", 1.0))
         data = self._prepare(batch)
         slices = batching.minibatch_slices(data["input_ids"].shape[0], self.config.n_minibatches)
-        steps = [self._minibatch_step(data, sl) for _ in range(self.config.ppo_epochs) for sl in slices]
+        schedule = [sl for _ in range(self.config.ppo_epochs) for sl in slices]
+        steps = [self._minibatch_step(data, sl) for sl in schedule]
         out = average_steps(steps)
         out["actor/num_optimizer_steps"] = float(len(steps))
         out["actor/skipped_steps_total"] = float(self.num_skipped_steps)
-        out.update(staleness_metrics(batch.get("versions"), data["loss_mask"], current_version))
+        out.update(staleness_metrics(batch.get("versions"), data["loss_mask"], current_version, schedule))
         return out
 
     def _search_group(self):
@@ -242,28 +258,26 @@ class Actor:
         return g if dist.get_world_size(g) > 1 else None
 
     def _search(self, lp, beh, adv, mask, acc: MetricSums):
-        ratio = torch.exp((lp.detach().float() - beh) * mask)
+        ratio = torch.exp(clamped_log_ratio(lp.detach().float(), beh) * mask)
         res = search_clip_bounds(ratio, adv, mask, self.config.bapo, rollout_logprobs=beh, group=self._search_group())
         acc.add_search(res.c_low, res.c_high, res.rho_initial, res.rho, res.num_steps)
         return res
 
-    def _train_loss(self, bounds, acc: MetricSums, mb: dict, logits: torch.Tensor):
+    def _train_loss(self, bounds, acc: MetricSums, denominator: float, mb: dict, logits: torch.Tensor):
         lp, ent = self._logprobs(mb, logits)
         dev = lp.device
-        mask, beh, adv = (mb[k].to(dev) for k in ("loss_mask", "behavior_logprobs", "advantages"))
+        mask, beh, adv, weights = (mb[k].to(dev) for k in ("loss_mask", "behavior_logprobs", "advantages", "weights"))
         if bounds is None:  # search_scope "microbatch": one collective per micro-batch, same count on all ranks
             res = self._search(lp, beh, adv, mask, acc)
             bounds = (res.c_low, res.c_high)
-        agg = self.config.loss_agg
         loss, stats = policy_loss(
-            lp, beh, adv, mask, bounds[0], bounds[1], dual_clip=self.config.bapo.dual_clip, agg=agg,
-            num_global_tokens=1.0, num_global_seqs=1.0,
+            lp, beh, adv, mask, bounds[0], bounds[1], dual_clip=self.config.bapo.dual_clip,
+            token_weights=weights, denominator=denominator,
         )
-        count = stats["num_tokens"] if agg == "token-mean" else stats["num_seqs"]
         stats["sum_entropy"] = (ent.detach().double() * mask.double()).sum()
         stats["sum_objective"] = loss.detach().double()
-        stats["count"] = count
-        return loss, count.round().to(torch.int).reshape(()), stats
+        stats["count"] = stats["num_tokens"]
+        return loss, stats["num_tokens"].round().to(torch.int).reshape(()), stats
 
     def _skip(self, reason: str) -> None:
         self.num_skipped_steps += 1
@@ -274,51 +288,71 @@ class Actor:
                 f"{self.config.max_skipped_steps}; check rewards, advantages and behavior log-probs"
             )
 
+    def _skipped_metrics(self) -> dict[str, float]:
+        out = MetricSums.finalize(torch.full((len(acc_keys()),), float("nan"), dtype=torch.float64))
+        out.update({"actor/grad_norm": float("nan"), "actor/lr": float(self.optimizer.param_groups[0]["lr"])})
+        return out
+
     def _minibatch_step(self, data: dict[str, torch.Tensor], rows: slice) -> dict[str, float]:
+        mini = {k: v[rows] for k, v in data.items()}
+        keep = mini["loss_mask"] > 0
         # Every rank holds the whole batch, so all ranks agree on skipping without a collective.
-        keep = data["loss_mask"][rows] > 0
-        if not (torch.isfinite(data["behavior_logprobs"][rows][keep]).all() and torch.isfinite(data["advantages"][rows][keep]).all()):
+        if not (torch.isfinite(mini["behavior_logprobs"][keep]).all() and torch.isfinite(mini["advantages"][keep]).all()):
             self._skip("non-finite behavior log-probs or advantages on loss tokens")
-            out = MetricSums.finalize(torch.full((len(acc_keys()),), float("nan"), dtype=torch.float64))
-            out.update({"actor/grad_norm": float("nan"), "actor/lr": float(self.optimizer.param_groups[0]["lr"])})
-            return out
-        mbs = self._microbatches(data, rows)
+            return self._skipped_metrics()
+        mini["weights"], denominator = aggregation_weights(mini["loss_mask"], self.config.loss_agg)
+        mini["weights"] = mini["weights"].float()
+        # megatron divides the summed gradient by the summed returned counts (the loss tokens, S).
+        denominator = denominator / max(float(keep.sum()), 1.0)
+        mbs = self._microbatches(mini)
         acc = MetricSums()
         bounds = None
         if self.config.search_scope == "minibatch":
-            for m in self.model:
-                m.eval()
-            with torch.no_grad():
-                stored = self._run(mbs, self._eval_loss, forward_only=True)
+            stored = self._forward_only(mbs)
             if self.parallel.is_last_stage:
-                keep = [mb["loss_mask"] > 0 for mb in mbs]
-                lp = torch.cat([r["lp"].float().cpu()[k] for r, k in zip(stored, keep)])
-                beh = torch.cat([mb["behavior_logprobs"][k] for mb, k in zip(mbs, keep)])
-                adv = torch.cat([mb["advantages"][k] for mb, k in zip(mbs, keep)])
+                masks = [mb["loss_mask"] > 0 for mb in mbs]
+                lp = torch.cat([r["lp"].float().cpu()[k] for r, k in zip(stored, masks)])
+                beh = torch.cat([mb["behavior_logprobs"][k] for mb, k in zip(mbs, masks)])
+                adv = torch.cat([mb["advantages"][k] for mb, k in zip(mbs, masks)])
                 res = self._search(lp, beh, adv, torch.ones_like(lp), acc)
                 bounds = (res.c_low, res.c_high)
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        stored = self._run(mbs, partial(self._train_loss, bounds, acc), forward_only=False)
+        stored = self._run(mbs, partial(self._train_loss, bounds, acc, denominator), forward_only=False)
         for stats in stored:
             acc.add_stats(stats)
         sums = self._share_from_last_stage(acc.sums)
         search = self._share_from_last_stage(acc.search, reduce_dp=False)
         metrics = MetricSums.finalize(torch.cat([sums, search]))
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        if not math.isfinite(metrics["actor/loss"]):
-            self._skip("non-finite loss")
-            self.optimizer.zero_grad()
-            grad_norm = float("nan")
-        else:
-            _, grad_norm, _ = self.optimizer.step()
+        metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        grad_norm = self._grad_norm_or_skip(metrics["actor/loss"])
+        if grad_norm is not None:
+            self.optimizer.step()
             self.scheduler.step(increment=1)
             self.num_updates += 1
-        metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics["actor/lr"] = lr
+        metrics["actor/grad_norm"] = float("nan") if grad_norm is None else grad_norm
         return metrics
+
+    def _grad_norm_or_skip(self, loss: float) -> Optional[float]:
+        """The global grad norm, or None (step skipped and counted) when it or the loss is not finite.
+
+        Every rank decides the same: the norm is reduced over the model-parallel group (and DP for
+        the distributed optimizer), DP replicas hold all-reduced gradients, and the flag is
+        all-reduced over all actor ranks anyway, so no rank steps while another skips.
+        """
+        found_inf = bool(self.optimizer.prepare_grads())
+        norm = float(self.optimizer.get_grad_norm() or 0.0)
+        flag = torch.tensor([0.0 if (not found_inf and math.isfinite(norm) and math.isfinite(loss)) else 1.0],
+                            device=_device())
+        if dist.get_world_size(self.parallel.world_group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.parallel.world_group)
+        if float(flag) == 0.0:
+            return norm
+        self.optimizer.zero_grad()
+        self._skip(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} (grad norm {norm})")
+        return None
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory) -> "Path":

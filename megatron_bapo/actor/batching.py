@@ -4,14 +4,21 @@ Every rank holds the same global batch, so every rank computes the same partitio
 communication: DP shards are balanced by token count (longest sequence first onto the lightest
 shard), and each shard is cut into the SAME number of micro-batches (the largest count any shard
 needs under the token budget), which `search_scope: microbatch` and pipeline schedules require.
-A micro-batch's cost is counted as rows x its longest sequence, since CPU batches are padded.
+A micro-batch's cost is the tokens the model processes for it: rows x its longest sequence when
+padded, the sum of the lengths when packed (`actor.layout.MicroBatchLayout.cost` adds the rounding
+that context/sequence parallelism need).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
-import torch
+CostFn = Callable[[Sequence[int]], int]
+
+
+def padded_cost(lengths: Sequence[int]) -> int:
+    """Tokens of a right-padded micro-batch: rows x longest."""
+    return len(lengths) * max(lengths) if lengths else 0
 
 
 def minibatch_slices(batch_size: int, n_minibatches: int) -> list[slice]:
@@ -41,22 +48,23 @@ def balanced_dp_shards(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
-def _num_microbatches(lengths: list[int], budget: int) -> int:
+def _num_microbatches(lengths: list[int], budget: int, cost: CostFn) -> int:
     """Micro-batches needed for rows of `lengths` (sorted descending) packed first-fit in order."""
-    count, rows, longest = 0, 0, 0
+    count, group = 0, []
     for n in lengths:
-        if rows and (rows + 1) * max(longest, n) > budget:
-            count, rows, longest = count + 1, 0, 0
-        rows += 1
-        longest = max(longest, n)
-    return count + (1 if rows else 0)
+        if group and cost(group + [n]) > budget:
+            count, group = count + 1, []
+        group.append(n)
+    return count + (1 if group else 0)
 
 
-def split_microbatches(rows: list[int], lengths: Sequence[int], num_microbatches: int) -> list[list[int]]:
-    """Cut `rows` into exactly `num_microbatches` groups of similar padded cost (some may be empty).
+def split_microbatches(
+    rows: list[int], lengths: Sequence[int], num_microbatches: int, cost: CostFn = padded_cost
+) -> list[list[int]]:
+    """Cut `rows` into exactly `num_microbatches` groups of similar cost (some may be empty).
 
-    Rows are sorted by length (longest first) and dealt to the group with the smallest padded cost
-    so far, keeping groups of similar lengths together.
+    Rows are sorted by length (longest first) and dealt to the group with the smallest cost so far,
+    keeping groups of similar lengths together.
     """
     order = sorted(rows, key=lambda i: (-int(lengths[i]), i))
     groups: list[list[int]] = [[] for _ in range(num_microbatches)]
@@ -64,25 +72,22 @@ def split_microbatches(rows: list[int], lengths: Sequence[int], num_microbatches
     for i in order:
         g = min(range(num_microbatches), key=lambda k: (costs[k], k))
         groups[g].append(i)
-        longest = max(int(lengths[j]) for j in groups[g])
-        costs[g] = longest * len(groups[g])
+        costs[g] = cost([int(lengths[j]) for j in groups[g]])
     return [sorted(g) for g in groups]
 
 
 def plan_microbatches(
-    lengths: Sequence[int], dp_size: int, max_tokens_per_microbatch: int
+    lengths: Sequence[int], dp_size: int, max_tokens_per_microbatch: int, cost: CostFn = padded_cost
 ) -> list[list[list[int]]]:
-    """`plan[dp_rank][k]` = row indices of micro-batch k on that rank; equal counts on all ranks."""
+    """`plan[dp_rank][k]` = row indices of micro-batch k on that rank; equal counts on all ranks.
+
+    `cost(lengths)` is the tokens a micro-batch of sequences of these lengths occupies (padded:
+    rows x longest; packed: the sum), compared with `max_tokens_per_microbatch`.
+    """
     shards = balanced_dp_shards(lengths, dp_size)
     need = [
-        _num_microbatches(sorted((int(lengths[i]) for i in s), reverse=True), max_tokens_per_microbatch)
+        _num_microbatches(sorted((int(lengths[i]) for i in s), reverse=True), max_tokens_per_microbatch, cost)
         for s in shards
     ]
     count = max(max(need), 1)
-    return [split_microbatches(s, lengths, count) for s in shards]
-
-
-def gather_rows(batch: dict[str, torch.Tensor], rows: list[int], length: int) -> dict[str, torch.Tensor]:
-    """The given rows of every [B, T] tensor, trimmed to `length` columns (right padding)."""
-    index = torch.tensor(rows, dtype=torch.long)
-    return {k: v.index_select(0, index)[:, :length].contiguous() for k, v in batch.items()}
+    return [split_microbatches(s, lengths, count, cost) for s in shards]

@@ -66,7 +66,12 @@ class ActorConfig:
     bapo: BapoConfig = field(default_factory=BapoConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     max_tokens_per_microbatch: int = 8192
-    """Token budget per micro-batch (sequences x padded length); sequences longer than it go alone."""
+    """Token budget per micro-batch, counted before the context-parallel split (packed: the summed
+    lengths; padded: sequences x padded length); a sequence longer than it goes alone."""
+    packing: bool = True
+    """Pack each micro-batch's sequences into one row without padding (THD: `cu_seqlens`,
+    megatron-core `PackedSeqParams`; attention stays within each sequence). False: right-pad every
+    sequence of a micro-batch to its longest."""
     n_minibatches: int = 1
     """Optimizer steps per pass over the batch (the batch size must be divisible by it)."""
     ppo_epochs: int = 1
@@ -75,9 +80,9 @@ class ActorConfig:
     """"minibatch": bounds from a forward-only pass over the whole mini-batch (exact);
     "microbatch": bounds decided per micro-batch inside the loss (official recipe; no extra pass)."""
     loss_agg: str = "token-mean"
-    use_distributed_optimizer: bool = True
-    """Megatron distributed optimizer. Without CUDA it is replaced by the plain FP32 optimizer
-    (a warning says so): its checkpoint state does not restore exactly without Apex/TE."""
+    use_distributed_optimizer: bool = False
+    """Megatron distributed optimizer: optimizer state (and fp32 main params) sharded over DP
+    (megatron-core supports it with Adam only)."""
     seed: int = 1234
     dtype: str = "float32"
     """Parameter dtype: "float32" or "bfloat16" (bf16 needs CUDA)."""
@@ -123,5 +128,10 @@ class ActorConfig:
             raise ValueError(f"ActorConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"ActorConfig.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        if self.use_distributed_optimizer and self.optim.name != "adam":
+            raise ValueError(
+                f"ActorConfig.use_distributed_optimizer=True needs optim.name='adam' (megatron-core's distributed "
+                f"optimizer supports Adam only), got {self.optim.name!r}; set use_distributed_optimizer=false"
+            )
         if self.max_skipped_steps < 0:
             raise ValueError(f"ActorConfig.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")

@@ -10,7 +10,7 @@ every rank holds, so it needs no communication.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -74,22 +74,31 @@ def average_steps(steps: Iterable[dict[str, float]]) -> dict[str, float]:
 
 
 def staleness_metrics(
-    versions: Optional[torch.Tensor], loss_mask: torch.Tensor, current_version: Optional[int]
+    versions: Optional[torch.Tensor],
+    loss_mask: torch.Tensor,
+    current_version: Optional[int],
+    schedule: Sequence[slice],
 ) -> dict[str, float]:
-    """Staleness (policy versions between a token's generator and the current policy) over loss tokens.
+    """Staleness in OPTIMIZER STEPS over the loss tokens of each optimizer step of a train_step.
 
-    `current_version` None means the newest version present in the batch.
-    Buckets: `staleness/frac_0`, `frac_1`, `frac_2`, `frac_3plus`, plus mean and max.
+    `schedule[k]` are the rows of the k-th optimizer step. A token of policy version v trained in
+    step k is `(current - v) * len(schedule) + k` optimizer steps behind the weights that train it
+    (every earlier version was followed by `len(schedule)` steps; mini-batch k of this call is k
+    steps staler than mini-batch 0). `current_version` None means the newest version in the batch.
+    Buckets `staleness/frac_0`, `frac_1`, `frac_2`, `frac_3plus` count (token, step) pairs, plus
+    mean and max; `staleness/version_lag_max` is the largest lag in policy versions (what
+    `rollout.max_staleness` caps).
     """
     if versions is None:
         return {}
     keep = loss_mask > 0
-    v = versions[keep].to(torch.float64)
-    if v.numel() == 0:
-        return {"staleness/mean": 0.0, "staleness/max": 0.0}
-    cur = float(v.max()) if current_version is None else float(current_version)
-    s = cur - v
-    out = {"staleness/mean": float(s.mean()), "staleness/max": float(s.max())}
+    if not bool(keep.any()):
+        return {"staleness/mean": 0.0, "staleness/max": 0.0, "staleness/version_lag_max": 0.0}
+    cur = float(versions[keep].max()) if current_version is None else float(current_version)
+    steps = len(schedule)
+    s = torch.cat([(cur - versions[sl][keep[sl]].to(torch.float64)) * steps + k for k, sl in enumerate(schedule)])
+    out = {"staleness/mean": float(s.mean()), "staleness/max": float(s.max()),
+           "staleness/version_lag_max": cur - float(versions[keep].min())}
     for b in (0, 1, 2):
         out[f"staleness/frac_{b}"] = float((s == b).double().mean())
     out["staleness/frac_3plus"] = float((s >= 3).double().mean())
