@@ -106,3 +106,43 @@ def test_actor_paths_hit_no_new_cuda_call(run_dist, tmp_path):
     for called in run_dist(_record_cuda_calls, 4, str(tmp_path / "ck"), timeout=180):
         assert called <= ALLOWED_CUDA_CALLS, f"new CUDA calls on the CPU path: {sorted(called - ALLOWED_CUDA_CALLS)}"
         assert "current_device" in called  # the recorder works
+
+
+def _sp_collectives(rank, world_size):
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import layers, mappings
+
+    # No collective shim: megatron's module-level names are still torch's own functions.
+    names = {
+        mod.__name__.rsplit(".", 1)[1] + "." + n: getattr(mod, n) is getattr(dist, want)
+        for mod in (layers, mappings)
+        for n, want in (("dist_all_gather_func", "all_gather_into_tensor"),
+                        ("dist_reduce_scatter_func", "reduce_scatter_tensor"))
+    }
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = pairs[rank // 2]
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for async_op in (False, True):  # layers.py backward uses async_op=True and waits on the handle
+            x = (torch.arange(4.0) + 10 * rank).to(dtype)
+            gathered, scattered = torch.empty(8, dtype=dtype), torch.empty(2, dtype=dtype)
+            works = [dist.all_gather_into_tensor(gathered, x, group=group, async_op=async_op),
+                     dist.reduce_scatter_tensor(scattered, x, group=group, async_op=async_op)]
+            for w in works:
+                if async_op:
+                    w.wait()
+            out[(str(dtype), async_op)] = (gathered.float(), scattered.float())
+    return names, out
+
+
+def test_gloo_has_the_collectives_sequence_parallelism_uses(run_dist):
+    """SP's raw collectives (all_gather_into_tensor, reduce_scatter_tensor; sync and async, fp32 and bf16)
+    are native in gloo on a subgroup, so cpu_compat needs no collective shim (torch >= 2.3)."""
+    results = run_dist(_sp_collectives, 4, timeout=60)
+    for rank, (names, out) in enumerate(results):
+        assert all(names.values()), names
+        lo = 2 * (rank // 2)  # the pair's first rank: only the pair's tensors take part
+        x = [torch.arange(4.0) + 10 * r for r in (lo, lo + 1)]
+        for gathered, scattered in out.values():
+            assert torch.equal(gathered, torch.cat(x))
+            assert torch.equal(scattered, (x[0] + x[1]).chunk(2)[rank % 2])

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bapo.models.layer_spec import get_layer_spec
+from megatron_bapo.models.layer_spec import get_block_spec
 from megatron_bapo.models.registry import model_args_from_hf
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def build_gpt_model(
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_layer_spec(use_te=use_te),
+        transformer_layer_spec=get_block_spec(config, vp_stage=vp_stage, use_te=use_te),
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,

@@ -15,7 +15,13 @@ below was verified necessary by a probe (shared/notes/megatron-core-on-cpu.md):
 | megatron's `_get/_set_cuda_rng_state` -> the CPU generator   | activation recompute (checkpoint)  |
 
 The fifth ingredient, core attention via `scaled_dot_product_attention`, lives in the layer spec
-(`megatron_bapo.models.layer_spec`), not here, because it is a module choice, not a patch.
+(`megatron_bapo.models.layer_spec`), not here, because it is a module choice, not a patch. So does
+the norm that makes sequence parallelism work without Apex/TE (`SpTorchNorm`).
+
+Sequence parallelism needs no collective shim: megatron's `dist_all_gather_func` /
+`dist_reduce_scatter_func` (tensor_parallel/mappings.py:12-13, layers.py:79-80) are
+`all_gather_into_tensor` / `reduce_scatter_tensor`, which gloo implements natively on subgroups,
+sync and async (torch >= 2.3; setup.py requires >= 2.4). tests/test_cpu_compat.py checks that.
 
 Any other CUDA call still raises torch's "not compiled with CUDA" error, so a code path that starts
 to need a new shim fails loudly in the tests instead of silently running somewhere else.

@@ -3,6 +3,12 @@
 megatron-core's local `DotProductAttention` allocates its score buffer on CUDA, so the local spec's
 core attention is `SdpaAttention` (`models.cpu_attention`: padded, packed and context-parallel
 inputs over `torch.nn.functional.scaled_dot_product_attention`).
+
+The local spec's norms are `SpTorchNorm` instead of megatron's `WrappedTorchNorm` (its fallback when
+neither Apex nor TE is installed), which refuses `sequence_parallel=True`
+(megatron/core/transformer/torch_norm.py:32) because it does not mark its weights for the TP
+all-reduce of sequence-parallel gradients. `SpTorchNorm` builds the same torch module (same
+parameter names and values) and marks them, as Apex's FusedLayerNorm and TE's TENorm do.
 """
 
 from __future__ import annotations
@@ -26,6 +32,34 @@ def have_transformer_engine() -> bool:
     return True
 
 
+class SpTorchNorm:
+    """`torch.nn.RMSNorm` / `LayerNorm` with the weights marked `sequence_parallel` as megatron expects.
+
+    Under sequence parallelism each TP rank normalises only its `s/TP` slice of the sequence, so the
+    gradient of a (TP-replicated) norm weight is a partial sum on each rank; megatron's
+    `finalize_model_grads` all-reduces the gradients of parameters whose `sequence_parallel`
+    attribute is True over the TP group (distributed/finalize_model_grads.py:354). Apex's
+    `FusedLayerNorm` and TE's `TENorm` set that attribute; megatron's torch fallback
+    (`WrappedTorchNorm`) cannot and therefore rejects sequence parallelism outright. Without SP this
+    builds exactly what `WrappedTorchNorm` builds. Called like megatron norms via `build_module`.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
+            if getattr(config, flag, False):
+                raise ValueError(f"SpTorchNorm: TransformerConfig.{flag}=True needs Apex or Transformer Engine")
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(normalized_shape=hidden_size, eps=eps)
+        else:
+            raise ValueError(f"SpTorchNorm: normalization {config.normalization!r} is not supported")
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
 def get_layer_spec(*, use_te: Optional[bool] = None):
     """The GPT transformer-layer spec for this machine.
 
@@ -46,4 +80,23 @@ def get_layer_spec(*, use_te: Optional[bool] = None):
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
+    spec.submodules.input_layernorm = SpTorchNorm
+    spec.submodules.pre_mlp_layernorm = SpTorchNorm
     return spec
+
+
+def get_block_spec(config, *, vp_stage: Optional[int] = None, use_te: Optional[bool] = None):
+    """The decoder spec for `GPTModel(transformer_layer_spec=...)` on this rank's pipeline stage.
+
+    TE: the layer spec (megatron then picks TENorm for the final norm itself). Local: a
+    `TransformerBlockSubmodules` whose final norm is `SpTorchNorm` too, because given a bare layer
+    spec megatron would build the final norm from its module-level fallback, `WrappedTorchNorm`.
+    Parallel state must be initialised (the layer count depends on the pipeline stage).
+    """
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    spec = get_layer_spec(use_te=use_te)
+    if spec.submodules.input_layernorm is not SpTorchNorm:
+        return spec
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SpTorchNorm)
