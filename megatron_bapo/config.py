@@ -90,8 +90,11 @@ class RolloutConfig:
     max_staleness: int = 4
     """A buffered response whose oldest token is more than this many versions old is regenerated."""
     temperature: float = 1.0
+    """Sampling temperature; the trainer's log-probs and entropy are those of softmax(logits / T)."""
     top_p: float = 1.0
+    """Must stay 1.0 for training rollouts (see __post_init__)."""
     top_k: int = -1
+    """Must stay -1 for training rollouts."""
     max_concurrency: int = 256
     request_timeout_s: float = 600.0
     max_retries: int = 3
@@ -109,8 +112,23 @@ class RolloutConfig:
             raise ConfigError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        # The trainer recomputes the behavior distribution as softmax(logits / temperature); truncated
+        # sampling (top-p / top-k) changes the distribution in a way it cannot reproduce, so the
+        # importance ratios (and BAPO's bounds) would be wrong. Evaluation may truncate (eval.top_p).
+        if self.top_p != 1.0:
+            raise ConfigError(f"rollout.top_p={self.top_p}: training rollouts must sample the full distribution "
+                              f"(top_p: 1.0), which the trainer's log-probs reproduce; eval.top_p may be below 1")
+        if self.top_k != -1:
+            raise ConfigError(f"rollout.top_k={self.top_k}: training rollouts must sample the full distribution "
+                              f"(top_k: -1), which the trainer's log-probs reproduce")
+        if self.segment_tokens is not None:
+            segments = -(-self.max_response_tokens // self.segment_tokens)
+            if self.max_staleness < segments - 1:
+                raise ConfigError(
+                    f"rollout.max_staleness={self.max_staleness} < {segments - 1}: a {self.max_response_tokens}-token "
+                    f"response takes {segments} segments of {self.segment_tokens} (one per step), so its first "
+                    f"tokens are {segments - 1} versions old when it ends and it would be regenerated forever; "
+                    f"raise rollout.max_staleness or rollout.segment_tokens")
         if self.router_url and not self.server_urls:
             raise ConfigError("rollout.router_url needs rollout.server_urls too (weight updates go to each server)")
 

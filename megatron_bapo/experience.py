@@ -32,11 +32,14 @@ def build_experience(
     adv_cfg: Any,
     *,
     n_minibatches: int = 1,
-) -> tuple[Optional[dict[str, torch.Tensor]], dict[str, float]]:
+    temperature: float = 1.0,
+) -> tuple[Optional[dict[str, Any]], dict[str, float]]:
     """Score, compute advantages, filter; returns (batch or None, `rollout/*` + `experience/*` metrics).
 
     `groups` are `megatron_bapo.rollout.RolloutGroup`s with all samples finished. The reward of each
-    sample is stored on it (`sample.reward`) so callers can log or dump it.
+    sample is stored on it (`sample.reward`) so callers can log or dump it. `temperature` is the
+    sampling temperature of the rollouts; the batch carries it (`batch["temperature"]`) so the actor
+    computes log-probs of the same distribution the behavior log-probs came from.
     """
     metrics: dict[str, float] = {"experience/num_groups": float(len(groups))}
     if not groups:
@@ -76,4 +79,5 @@ def build_experience(
     batch = build_batch([samples[i] for i in keep_rows], pad_token_id=pad_id,
                         advantages=[float(advantages[i]) for i in keep_rows],
                         rewards=[float(rewards[i]) for i in keep_rows])
+    batch["temperature"] = float(temperature)
     return batch, metrics

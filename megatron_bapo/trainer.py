@@ -153,7 +153,7 @@ class Trainer:
         groups = self.rollout.step(prompts, self.version)
         t1 = time.monotonic()
         batch, metrics = build_experience(groups, self.tokenizer, cfg.reward, cfg.advantage,
-                                          n_minibatches=cfg.actor.n_minibatches)
+                                          n_minibatches=cfg.actor.n_minibatches, temperature=cfg.rollout.temperature)
         t2 = time.monotonic()
         self.ledger.record(self.step + 1, prompts, groups)
         metrics.update(self.rollout.last_metrics)

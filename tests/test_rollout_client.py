@@ -201,6 +201,27 @@ def test_stale_partial_samples_are_regenerated_not_mixed():
         assert len(finished) == 2 and all(len(set(s.response_versions)) == 1 for s in flatten(finished))
 
 
+def test_staleness_cap_holds_for_finished_samples_waiting_for_their_group():
+    """A sample that finished early waits for its partial sibling; when the group is returned no
+    token in it (the early sample's included) may be more than max_staleness versions old."""
+    with fake_servers(1) as (urls, _), client_for(urls) as client:
+        cfg = PartialRolloutConfig(group_size=2, max_response_tokens=6, segment_tokens=3, max_staleness=1,
+                                   sampling=SamplingConfig(ignore_eos=True))
+        manager = PartialRolloutManager(client, cfg)
+        manager.step(prompts(1), 0)  # both samples: 3 tokens of version 0, partial
+        early = manager.buffer[0].samples[0]
+        early.state = SampleState.COMPLETED  # as if it had stopped on EOS at version 0
+        groups = []
+        for version in (2, 3):  # the policy moved on by 2 versions (e.g. steps without this group)
+            client.update_weights_from_disk(f"ckpt/w{version}", version)
+            groups += manager.step([], version)
+        assert len(groups) == 1
+        for s in groups[0].samples:
+            assert 3 - min(s.response_versions) <= cfg.max_staleness, s.response_versions
+            assert s.num_regenerations == 1  # the group restarted together at version 2
+        assert manager.totals["num_regenerated"] == 2
+
+
 def test_resumed_responses_equal_uninterrupted_and_state_dict_round_trips():
     with fake_servers(1) as (urls, _), client_for(urls) as client:
         seed = weights_seed("init")

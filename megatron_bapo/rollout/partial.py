@@ -4,8 +4,10 @@ Each `step(prompts, version)` call:
 1. opens a group of G pending samples per new prompt (appended to the buffer);
 2. for every unfinished sample in the buffer, sends ONE segment: `input_ids = prompt + response so
    far`, `max_new_tokens = min(segment_tokens, max_response_tokens - generated)`. A buffered
-   sample whose oldest token is more than `max_staleness` versions behind `version` is first reset
-   and regenerated from scratch (counted), so a response never silently mixes far-apart policies;
+   group holding a token more than `max_staleness` versions behind `version` (in an unfinished
+   sample, or in a finished one waiting for its siblings) is first reset and regenerated from
+   scratch, all its samples together (counted per sample), so no trained group holds a token more
+   than `max_staleness` versions old;
 3. records each segment's tokens with their behavior log-probs and versions, and sets the state:
    stop -> completed; length at max_response_tokens (or clipped by the context) -> truncated;
    length below it -> partial; abort -> aborted (kept, resumed next step); 4xx -> failed;
@@ -71,13 +73,17 @@ class PartialRolloutManager:
 
         jobs: list[Sample] = []
         for group in self.buffer:
+            # The cap covers finished samples waiting for their siblings too, and the whole group
+            # restarts together, so its samples stay in step (they would otherwise reset each other).
+            if any(s.state is not SampleState.FAILED and self._too_stale(s, version) for s in group.samples):
+                for s in group.samples:
+                    if s.state is not SampleState.FAILED and s.response_ids:
+                        s.reset()
+                        s.num_regenerations += 1
+                        step["num_regenerated"] += 1
             for s in group.samples:
                 if not s.state.resumable:
                     continue
-                if self._too_stale(s, version):
-                    s.reset()
-                    s.num_regenerations += 1
-                    step["num_regenerated"] += 1
                 if self._budget(s) <= 0:
                     s.state = SampleState.TRUNCATED
                     continue
