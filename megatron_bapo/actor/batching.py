@@ -2,8 +2,9 @@
 
 Every rank holds the same global batch, so every rank computes the same partition locally with no
 communication: DP shards are balanced by token count (longest sequence first onto the lightest
-shard), and each shard is cut into the SAME number of micro-batches (the largest count any shard
-needs under the token budget), which `search_scope: microbatch` and pipeline schedules require.
+shard), each shard is packed first-fit decreasing into micro-batches within the token budget, and
+every shard ends with the SAME number of micro-batches (the largest count any shard needs), which
+`search_scope: microbatch` and pipeline schedules require.
 A micro-batch's cost is the tokens the model processes for it: rows x its longest sequence when
 padded, the sum of the lengths when packed (`actor.layout.MicroBatchLayout.cost` adds the rounding
 that context/sequence parallelism need).
@@ -48,32 +49,34 @@ def balanced_dp_shards(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
-def _num_microbatches(lengths: list[int], budget: int, cost: CostFn) -> int:
-    """Micro-batches needed for rows of `lengths` (sorted descending) packed first-fit in order."""
-    count, group = 0, []
-    for n in lengths:
-        if group and cost(group + [n]) > budget:
-            count, group = count + 1, []
-        group.append(n)
-    return count + (1 if group else 0)
+def pack_rows(rows: Sequence[int], lengths: Sequence[int], budget: int, cost: CostFn = padded_cost) -> list[list[int]]:
+    """First-fit decreasing: rows (longest first) into micro-batches whose cost stays within `budget`.
 
-
-def split_microbatches(
-    rows: list[int], lengths: Sequence[int], num_microbatches: int, cost: CostFn = padded_cost
-) -> list[list[int]]:
-    """Cut `rows` into exactly `num_microbatches` groups of similar cost (some may be empty).
-
-    Rows are sorted by length (longest first) and dealt to the group with the smallest cost so far,
-    keeping groups of similar lengths together.
+    A row whose own cost exceeds the budget gets a micro-batch of its own.
     """
-    order = sorted(rows, key=lambda i: (-int(lengths[i]), i))
-    groups: list[list[int]] = [[] for _ in range(num_microbatches)]
-    costs = [0] * num_microbatches
-    for i in order:
-        g = min(range(num_microbatches), key=lambda k: (costs[k], k))
-        groups[g].append(i)
-        costs[g] = cost([int(lengths[j]) for j in groups[g]])
-    return [sorted(g) for g in groups]
+    bins: list[list[int]] = []
+    for i in sorted(rows, key=lambda i: (-int(lengths[i]), i)):
+        for b in bins:
+            if cost([int(lengths[j]) for j in b] + [int(lengths[i])]) <= budget:
+                b.append(i)
+                break
+        else:
+            bins.append([i])
+    return bins
+
+
+def _split_to(bins: list[list[int]], count: int, lengths: Sequence[int], cost: CostFn) -> list[list[int]]:
+    """Split the costliest micro-batches in two until there are `count` (empty ones if none can split)."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        splittable = [k for k, b in enumerate(bins) if len(b) > 1]
+        if not splittable:
+            bins.append([])
+            continue
+        k = max(splittable, key=lambda k: (cost([int(lengths[j]) for j in bins[k]]), -k))
+        big = bins.pop(k)
+        bins += [big[0::2], big[1::2]]
+    return bins
 
 
 def plan_microbatches(
@@ -82,12 +85,11 @@ def plan_microbatches(
     """`plan[dp_rank][k]` = row indices of micro-batch k on that rank; equal counts on all ranks.
 
     `cost(lengths)` is the tokens a micro-batch of sequences of these lengths occupies (padded:
-    rows x longest; packed: the sum), compared with `max_tokens_per_microbatch`.
+    rows x longest; packed: the sum), kept within `max_tokens_per_microbatch` (a longer sequence
+    goes alone). A rank that needs fewer micro-batches than another splits its costliest ones, and
+    only a rank with fewer rows than micro-batches gets empty ones (the actor runs a no-loss filler).
     """
     shards = balanced_dp_shards(lengths, dp_size)
-    need = [
-        _num_microbatches(sorted((int(lengths[i]) for i in s), reverse=True), max_tokens_per_microbatch, cost)
-        for s in shards
-    ]
-    count = max(max(need), 1)
-    return [split_microbatches(s, lengths, count, cost) for s in shards]
+    packed = [pack_rows(s, lengths, max_tokens_per_microbatch, cost) for s in shards]
+    count = max(max(len(p) for p in packed), 1)
+    return [[sorted(b) for b in _split_to(p, count, lengths, cost)] for p in packed]
