@@ -24,14 +24,16 @@ def _data(seed=0, shape=(3, 11), vocab=64, real=57, dtype=torch.float32):
     return logits, targets, w_lp, w_ent
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("chunk", [1, 4, 33, 4096])
-def test_matches_full_log_softmax_values_and_gradients(chunk):
+def test_matches_full_log_softmax_values_and_gradients(chunk, temperature):
+    """At temperature T: log-probs and entropy of softmax(logits / T), as the rollout server samples."""
     logits, targets, w_lp, w_ent = _data()
     x = logits.clone().requires_grad_()
-    lp, ent = vocab_parallel_logprobs(x, targets, vocab_size=57, chunk_size=chunk)
+    lp, ent = vocab_parallel_logprobs(x, targets, vocab_size=57, chunk_size=chunk, temperature=temperature)
     (lp * w_lp + ent * w_ent).sum().backward()
     xr = logits.double().requires_grad_()
-    rlp, rent = _reference(xr, targets, 57)
+    rlp, rent = _reference(xr / temperature, targets, 57)
     (rlp * w_lp + rent * w_ent).sum().backward()
     torch.testing.assert_close(lp.double(), rlp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent.double(), rent, atol=1e-5, rtol=0)
@@ -67,24 +69,25 @@ def test_token_alignment():
     torch.testing.assert_close(ent[:, 1:].double(), rent, atol=1e-5, rtol=0)
 
 
-def _tp_shard(rank, world_size, chunk):
+def _tp_shard(rank, world_size, chunk, temperature):
     import torch.distributed as dist
 
     logits, targets, w_lp, w_ent = _data(seed=5)
     v = logits.shape[-1] // world_size
     x = logits[..., rank * v : (rank + 1) * v].clone().requires_grad_()
-    lp, ent = vocab_parallel_logprobs(x, targets, tp_group=dist.group.WORLD, vocab_size=57, chunk_size=chunk)
+    lp, ent = vocab_parallel_logprobs(x, targets, tp_group=dist.group.WORLD, vocab_size=57, chunk_size=chunk,
+                                      temperature=temperature)
     (lp * w_lp + ent * w_ent).sum().backward()
     return lp.detach(), ent.detach(), x.grad
 
 
-@pytest.mark.parametrize("chunk", [3, 4096])
-def test_tp2_equals_tp1_values_and_gradients(run_dist, chunk):
+@pytest.mark.parametrize("chunk, temperature", [(3, 1.0), (4096, 1.0), (3, 0.6)])
+def test_tp2_equals_tp1_values_and_gradients(run_dist, chunk, temperature):
     logits, targets, w_lp, w_ent = _data(seed=5)
     x = logits.clone().requires_grad_()
-    lp1, ent1 = vocab_parallel_logprobs(x, targets, vocab_size=57, chunk_size=chunk)
+    lp1, ent1 = vocab_parallel_logprobs(x, targets, vocab_size=57, chunk_size=chunk, temperature=temperature)
     (lp1 * w_lp + ent1 * w_ent).sum().backward()
-    res = run_dist(_tp_shard, 2, chunk, timeout=60)
+    res = run_dist(_tp_shard, 2, chunk, temperature, timeout=60)
     for lp2, ent2, _ in res:
         torch.testing.assert_close(lp2, lp1.detach(), atol=1e-5, rtol=0)
         torch.testing.assert_close(ent2, ent1.detach(), atol=1e-5, rtol=0)
