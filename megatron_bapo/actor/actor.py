@@ -52,12 +52,7 @@ class Actor:
         self.hf_config = hf_config
         self.parallel = groups or initialize_model_parallel(config.parallel, seed=config.seed)
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
-        self.distributed_optimizer = config.use_distributed_optimizer and torch.cuda.is_available()
-        if config.use_distributed_optimizer and not self.distributed_optimizer:
-            logger.warning(
-                "ActorConfig.use_distributed_optimizer=True without CUDA: using the plain FP32 optimizer, "
-                "because distributed-optimizer checkpoints do not restore exactly without Apex/TE"
-            )
+        self.distributed_optimizer = config.use_distributed_optimizer
         torch.manual_seed(config.seed)  # identical initial weights on every DP rank
         vpp = config.parallel.vpp
         # Micro-batches have different shapes (token budget); PP must then exchange shapes.

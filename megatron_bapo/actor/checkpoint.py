@@ -10,9 +10,11 @@ moved aside and deleted only after the rename), so a job killed mid-save leaves 
 checkpoint intact. Model and optimizer state reshard on load (save TP=2, load TP=1); RNG states are
 restored only when the layout is unchanged (they are per-rank streams), which exact resume needs.
 
-Why the FP32 (non-distributed) optimizer on CPU: the distributed optimizer's state does not
-restore exactly without Apex/TE (shared/notes/megatron-core-on-cpu.md), and the exact-resume test
-catches that, so the actor uses the plain optimizer when CUDA is absent.
+The distributed optimizer's state goes through `actor.distopt_state`: megatron-core 0.16.1 restores
+it inexactly with torch's Adam (CPU, no Apex/TE) -- every parameter ends up sharing one Adam `step`
+tensor -- and its default format cannot be saved at all; that module explains the root cause and
+saves/loads in the `fully_reshardable` format with the per-parameter step restored, so resume is
+exact on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megatron_bapo.actor import distopt_state
 from megatron_bapo.run_state import replace_dir
 
 if TYPE_CHECKING:
@@ -63,7 +66,7 @@ def _sharded_state(actor: "Actor", *, is_loading: bool, with_optimizer: bool) ->
         state[_model_key(i, len(actor.model))] = sd
         model_sd.update(sd)
     if with_optimizer:
-        state["optimizer"] = actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        state["optimizer"] = distopt_state.sharded_state_dict(actor.optimizer, model_sd, is_loading=is_loading)
         state["scheduler"] = actor.scheduler.state_dict()
     return state
 
@@ -147,7 +150,7 @@ def load_checkpoint(actor: "Actor", directory: str | os.PathLike, *, load_optimi
     for i, m in enumerate(actor.model):
         m.module.load_state_dict(state[_model_key(i, len(actor.model))], strict=True)
     if load_optimizer:
-        actor.optimizer.load_state_dict(state["optimizer"])
+        distopt_state.load_state_dict(actor.optimizer, state["optimizer"])
         actor.scheduler.load_state_dict(state["scheduler"])
         actor.num_updates = int(meta["num_updates"])
         actor.num_skipped_steps = int(meta.get("num_skipped_steps", 0))

@@ -76,8 +76,8 @@ class ActorConfig:
     "microbatch": bounds decided per micro-batch inside the loss (official recipe; no extra pass)."""
     loss_agg: str = "token-mean"
     use_distributed_optimizer: bool = True
-    """Megatron distributed optimizer. Without CUDA it is replaced by the plain FP32 optimizer
-    (a warning says so): its checkpoint state does not restore exactly without Apex/TE."""
+    """Megatron distributed optimizer (optimizer state sharded over DP x CP), on CPU too; Adam only
+    (megatron-core refuses SGD with it). Checkpoints resume exactly (see actor.distopt_state)."""
     seed: int = 1234
     dtype: str = "float32"
     """Parameter dtype: "float32" or "bfloat16" (bf16 needs CUDA)."""
@@ -123,5 +123,10 @@ class ActorConfig:
             raise ValueError(f"ActorConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"ActorConfig.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        if self.use_distributed_optimizer and self.optim.name != "adam":
+            raise ValueError(
+                f"ActorConfig.use_distributed_optimizer=True needs OptimConfig.name='adam' (megatron-core's "
+                f"distributed optimizer supports only Adam), got {self.optim.name!r}; set use_distributed_optimizer=False"
+            )
         if self.max_skipped_steps < 0:
             raise ValueError(f"ActorConfig.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
