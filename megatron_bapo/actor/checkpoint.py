@@ -14,7 +14,7 @@ The distributed optimizer's state goes through `actor.distopt_state`: megatron-c
 it inexactly with torch's Adam (CPU, no Apex/TE) -- every parameter ends up sharing one Adam `step`
 tensor -- and its default format cannot be saved at all; that module explains the root cause and
 saves/loads in the `fully_reshardable` format with the per-parameter step restored, so resume is
-exact on CPU and GPU.
+exact on CPU and GPU. Barriers name `actor.parallel.world_group` (all ranks).
 """
 
 from __future__ import annotations
@@ -103,25 +103,25 @@ def save_checkpoint(actor: "Actor", directory: str | os.PathLike) -> Path:
 
     final = Path(directory).absolute()
     tmp = final.with_name(final.name + ".tmp")
-    rank = dist.get_rank()
+    rank = actor.parallel.rank
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         (tmp / "rng").mkdir()
-    dist.barrier()
+    dist.barrier(group=actor.parallel.world_group)
     _fast_results_queue()
     dist_checkpointing.save(_sharded_state(actor, is_loading=False, with_optimizer=True), str(tmp))
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    dist.barrier()
+    dist.barrier(group=actor.parallel.world_group)
     if rank == 0:
         meta = {
-            "layout": _layout(actor), "world_size": dist.get_world_size(), "num_updates": actor.num_updates,
+            "layout": _layout(actor), "world_size": actor.parallel.world_size, "num_updates": actor.num_updates,
             "num_skipped_steps": actor.num_skipped_steps, "distributed_optimizer": actor.distributed_optimizer,
         }
         (tmp / META).write_text(json.dumps(meta, indent=2))
         replace_dir(tmp, final)
-    dist.barrier()
+    dist.barrier(group=actor.parallel.world_group)
     logger.info("actor checkpoint saved to %s (%d updates)", final, actor.num_updates)
     return final
 
@@ -154,11 +154,11 @@ def load_checkpoint(actor: "Actor", directory: str | os.PathLike, *, load_optimi
         actor.scheduler.load_state_dict(state["scheduler"])
         actor.num_updates = int(meta["num_updates"])
         actor.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
-        same_layout = meta["layout"] == _layout(actor) and meta["world_size"] == dist.get_world_size()
-        rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
+        same_layout = meta["layout"] == _layout(actor) and meta["world_size"] == actor.parallel.world_size
+        rng_file = path / "rng" / f"rank{actor.parallel.rank}.pt"
         if same_layout and rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=False))
         else:
             logger.warning("checkpoint layout %s differs from %s: RNG states not restored", meta["layout"], _layout(actor))
-    dist.barrier()
+    dist.barrier(group=actor.parallel.world_group)
     return meta

@@ -105,6 +105,8 @@ class ParallelGroups:
     dp_cp_group: "dist.ProcessGroup"
     """Data x context parallel group: holds the rest of a mini-batch's tokens (bound search, token counts)."""
     mp_group: "dist.ProcessGroup"
+    world_group: "dist.ProcessGroup"
+    """All ranks (`dist.group.WORLD`): job-wide synchronisation such as checkpoint barriers."""
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
@@ -184,6 +186,7 @@ def initialize_model_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> Paral
         dp_group=ps.get_data_parallel_group(),
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
         mp_group=ps.get_model_parallel_group(),
+        world_group=dist.group.WORLD,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
