@@ -126,7 +126,8 @@ class ActorConfig:
         if self.use_distributed_optimizer and self.optim.name != "adam":
             raise ValueError(
                 f"ActorConfig.use_distributed_optimizer=True needs OptimConfig.name='adam' (megatron-core's "
-                f"distributed optimizer supports only Adam), got {self.optim.name!r}; set use_distributed_optimizer=False"
+                f"distributed optimizer supports only Adam), got {self.optim.name!r}; "
+                "set use_distributed_optimizer=False"
             )
         if self.max_skipped_steps < 0:
             raise ValueError(f"ActorConfig.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
