@@ -19,7 +19,8 @@ def _actor(tp=1, pp=1, budget=10_000, optim="sgd", lr=0.05, scope="minibatch", n
 
     cfg = ActorConfig(
         optim=OptimConfig(name=optim, lr=lr, clip_grad=0.0), parallel=ParallelConfig(tp=tp, pp=pp),
-        max_tokens_per_microbatch=budget, search_scope=scope, n_minibatches=n_mini, ppo_epochs=epochs, **kw,
+        max_tokens_per_microbatch=budget, search_scope=scope, n_minibatches=n_mini, ppo_epochs=epochs,
+        **{"use_distributed_optimizer": optim == "adam", **kw},  # megatron's distributed optimizer is Adam-only
     )
     return Actor(cfg, TINY_QWEN2)
 

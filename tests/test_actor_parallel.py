@@ -30,7 +30,8 @@ def _actor(hf_dir, tp=1, pp=1, cp=1, sp=False, packing=False, agg="token-mean", 
     cfg = ActorConfig(
         optim=OptimConfig(name="sgd", lr=0.05, clip_grad=0.0),
         parallel=ParallelConfig(tp=tp, pp=pp, cp=cp, sequence_parallel=sp),
-        max_tokens_per_microbatch=budget, packing=packing, loss_agg=agg, vocab_divisible_by=64, **kw,
+        max_tokens_per_microbatch=budget, packing=packing, loss_agg=agg, vocab_divisible_by=64,
+        use_distributed_optimizer=False, **kw,
     )
     hf_config = AutoConfig.from_pretrained(hf_dir)
     actor = Actor(cfg, hf_config)

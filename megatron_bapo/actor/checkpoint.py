@@ -10,9 +10,11 @@ moved aside and deleted only after the rename), so a job killed mid-save leaves 
 checkpoint intact. Model and optimizer state reshard on load (save TP=2, load TP=1); RNG states are
 restored only when the layout is unchanged (they are per-rank streams), which exact resume needs.
 
-Why the FP32 (non-distributed) optimizer on CPU: the distributed optimizer's state does not
-restore exactly without Apex/TE (shared/notes/megatron-core-on-cpu.md), and the exact-resume test
-catches that, so the actor uses the plain optimizer when CUDA is absent.
+The distributed optimizer's state goes through `actor.distopt_state`: megatron-core 0.16.1 restores
+it inexactly with torch's Adam (CPU, no Apex/TE) -- every parameter ends up sharing one Adam `step`
+tensor -- and its default format cannot be saved at all; that module explains the root cause and
+saves/loads in the `fully_reshardable` format with the per-parameter step restored, so resume is
+exact on CPU and GPU. Barriers name `actor.parallel.world_group` (all ranks).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megatron_bapo.actor import distopt_state
 from megatron_bapo.run_state import replace_dir
 
 if TYPE_CHECKING:
@@ -63,7 +66,7 @@ def _sharded_state(actor: "Actor", *, is_loading: bool, with_optimizer: bool) ->
         state[_model_key(i, len(actor.model))] = sd
         model_sd.update(sd)
     if with_optimizer:
-        state["optimizer"] = actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        state["optimizer"] = distopt_state.sharded_state_dict(actor.optimizer, model_sd, is_loading=is_loading)
         state["scheduler"] = actor.scheduler.state_dict()
     return state
 
@@ -100,25 +103,25 @@ def save_checkpoint(actor: "Actor", directory: str | os.PathLike) -> Path:
 
     final = Path(directory).absolute()
     tmp = final.with_name(final.name + ".tmp")
-    rank = dist.get_rank()
+    rank = actor.parallel.rank
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         (tmp / "rng").mkdir()
-    dist.barrier()
+    dist.barrier(group=actor.parallel.world_group)
     _fast_results_queue()
     dist_checkpointing.save(_sharded_state(actor, is_loading=False, with_optimizer=True), str(tmp))
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    dist.barrier()
+    dist.barrier(group=actor.parallel.world_group)
     if rank == 0:
         meta = {
-            "layout": _layout(actor), "world_size": dist.get_world_size(), "num_updates": actor.num_updates,
+            "layout": _layout(actor), "world_size": actor.parallel.world_size, "num_updates": actor.num_updates,
             "num_skipped_steps": actor.num_skipped_steps, "distributed_optimizer": actor.distributed_optimizer,
         }
         (tmp / META).write_text(json.dumps(meta, indent=2))
         replace_dir(tmp, final)
-    dist.barrier()
+    dist.barrier(group=actor.parallel.world_group)
     logger.info("actor checkpoint saved to %s (%d updates)", final, actor.num_updates)
     return final
 
@@ -147,15 +150,15 @@ def load_checkpoint(actor: "Actor", directory: str | os.PathLike, *, load_optimi
     for i, m in enumerate(actor.model):
         m.module.load_state_dict(state[_model_key(i, len(actor.model))], strict=True)
     if load_optimizer:
-        actor.optimizer.load_state_dict(state["optimizer"])
+        distopt_state.load_state_dict(actor.optimizer, state["optimizer"])
         actor.scheduler.load_state_dict(state["scheduler"])
         actor.num_updates = int(meta["num_updates"])
         actor.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
-        same_layout = meta["layout"] == _layout(actor) and meta["world_size"] == dist.get_world_size()
-        rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
+        same_layout = meta["layout"] == _layout(actor) and meta["world_size"] == actor.parallel.world_size
+        rng_file = path / "rng" / f"rank{actor.parallel.rank}.pt"
         if same_layout and rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=False))
         else:
             logger.warning("checkpoint layout %s differs from %s: RNG states not restored", meta["layout"], _layout(actor))
-    dist.barrier()
+    dist.barrier(group=actor.parallel.world_group)
     return meta

@@ -80,9 +80,9 @@ class ActorConfig:
     """"minibatch": bounds from a forward-only pass over the whole mini-batch (exact);
     "microbatch": bounds decided per micro-batch inside the loss (official recipe; no extra pass)."""
     loss_agg: str = "token-mean"
-    use_distributed_optimizer: bool = False
-    """Megatron distributed optimizer: optimizer state (and fp32 main params) sharded over DP
-    (megatron-core supports it with Adam only)."""
+    use_distributed_optimizer: bool = True
+    """Megatron distributed optimizer (optimizer state sharded over DP x CP), on CPU too; Adam only
+    (megatron-core refuses SGD with it). Checkpoints resume exactly (see actor.distopt_state)."""
     seed: int = 1234
     dtype: str = "float32"
     """Parameter dtype: "float32" or "bfloat16" (bf16 needs CUDA)."""
@@ -130,8 +130,9 @@ class ActorConfig:
             raise ValueError(f"ActorConfig.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.use_distributed_optimizer and self.optim.name != "adam":
             raise ValueError(
-                f"ActorConfig.use_distributed_optimizer=True needs optim.name='adam' (megatron-core's distributed "
-                f"optimizer supports Adam only), got {self.optim.name!r}; set use_distributed_optimizer=false"
+                f"ActorConfig.use_distributed_optimizer=True needs OptimConfig.name='adam' (megatron-core's "
+                f"distributed optimizer supports only Adam), got {self.optim.name!r}; "
+                "set use_distributed_optimizer=False"
             )
         if self.max_skipped_steps < 0:
             raise ValueError(f"ActorConfig.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")

@@ -1,0 +1,125 @@
+"""Exact save/load of megatron-core's DistributedOptimizer state, with torch Adam as well as TE/Apex.
+
+megatron-core 0.16.1 restores the distributed optimizer inexactly (or not at all) when its inner
+optimizer is torch's Adam/AdamW, which is what it uses without Apex/Transformer Engine (CPU). Root
+cause, in megatron/core/optimizer/distrib_optimizer.py:
+
+1. `load_state_dict` (lines 817-825, the `not HAVE_APEX_OR_TE` branch) builds ONE `step` tensor and
+   puts that same object into every parameter's state. torch's `Optimizer.load_state_dict` keeps
+   `step` uncopied (torch/optim/optimizer.py `_process_value_according_to_param_policy`: for key
+   "step" it returns `value` itself unless fused/capturable), so all parameters share one counter,
+   and torch Adam's per-parameter `step_t += 1` advances it once per parameter per optimizer step:
+   after a resume the bias corrections use step ~ (steps x #params) instead of steps.
+   (`MegatronOptimizer._restore_common_per_param_step`, used by the FP32 optimizer, deep-copies it.)
+2. `dp_reshardable` stores `step` as a `LocalNonpersistentObject` wrapping the step tensor that
+   existed when the sharded state dict was built, i.e. BEFORE the load (lines 1664-1667), and
+   `load_parameter_state_from_dp_reshardable` -> `_set_main_param_and_optimizer_states` copies it
+   back over the restored step (lines 938-940): the step comes back stale (the note's symptom).
+3. `fully_reshardable` never saves `step` (line 1496) and its loader skips it (line 2101), but
+   `_set_main_param_and_optimizer_states` (lines 938-940) iterates over the DESTINATION state keys,
+   which for torch Adam include `step`: `KeyError: 'step'`.
+4. `state_dict` (lines 640-642) asserts that the per-parameter states hold exactly one step value;
+   torch Adam creates its state lazily, so a fresh optimizer (resume before any step, or a save at
+   step 0) fails the assert.
+5. The default format `fully_sharded_model_space` uses `ShardedTensor.flattened_range`, which 0.16.1's
+   dist_checkpointing rejects on any device (dist_checkpointing/mapping.py:133-134).
+
+With TE/Apex FusedAdam (GPU) `step` lives in the param groups, not in per-parameter state, so
+1-4 do not arise there; 5 does.
+
+What we do (no change to megatron-core):
+- save and load with `fully_reshardable`: model-space tensors, so TP/PP/DP may all change on load;
+- before building a sharded state dict, give torch Adam parameters without state the state torch
+  would create at their first step (step 0, zero moments), exactly what `_init_group` does lazily
+  (so the fresh-optimizer assert in 4 cannot fire and the following step is unchanged);
+- load in megatron's own two stages, but around the parameter-state stage take the per-parameter
+  `step` out (so 3 cannot raise) and put back one independent tensor per parameter holding the
+  saved step (fixes 1; 2 does not apply to this format).
+On GPU with TE/Apex FusedAdam there is no per-parameter `step`: both step edits find nothing to do,
+and the load is exactly megatron's `load_state_dict` (param groups, including their `step`, then
+`load_parameter_state_from_fully_reshardable`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SHARDING_TYPE = "fully_reshardable"
+# Megatron's default for this format: every DP rank all-gathers its TPxPP shard's state during the
+# save and writes part of it (parallel). True would gather on DP rank 0 over gloo instead.
+METADATA = {"distrib_optim_sharding_type": SHARDING_TYPE, "distrib_optim_fully_reshardable_mem_efficient": False}
+
+
+def _distributed(optimizer):
+    """The DistributedOptimizer inside the actor's (chained) megatron optimizer, or None."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    members = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    dist_members = [o for o in members if isinstance(o, DistributedOptimizer)]
+    if not dist_members:
+        return None
+    if len(members) > 1:  # e.g. MoE expert parameters get their own member; dense models build one
+        raise NotImplementedError(f"checkpoints of a chained optimizer with {len(members)} members are not supported")
+    return dist_members[0]
+
+
+def _torch_adam(opt) -> bool:
+    """Whether a DistributedOptimizer's inner optimizer is torch Adam/AdamW (per-parameter `step`)."""
+    return isinstance(opt.optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def _init_torch_adam_state(opt) -> None:
+    """Create the state torch Adam would create lazily at its first step (see module docstring, 4)."""
+    if not _torch_adam(opt):
+        return
+    inner = opt.optimizer
+    for group in inner.param_groups:
+        if group.get("amsgrad", False):
+            raise NotImplementedError("amsgrad state is not handled by megatron's distributed optimizer checkpoint")
+        for p in group["params"]:
+            if len(inner.state[p]) == 0:
+                inner.state[p]["step"] = torch.zeros((), dtype=torch.float32)
+                inner.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                inner.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def sharded_state_dict(optimizer, model_sharded_state_dict: dict, *, is_loading: bool) -> dict:
+    """`optimizer.sharded_state_dict` in the format above; works on a fresh optimizer too."""
+    opt = _distributed(optimizer)
+    if opt is not None:
+        _init_torch_adam_state(opt)
+    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=METADATA)
+
+
+def _load_distributed(opt, state_dict: dict) -> None:
+    """`DistributedOptimizer.load_state_dict` for our format, with the per-parameter step restored."""
+    state_dict = dict(state_dict)
+    param_state = state_dict.pop("param_state")
+    kind = state_dict.pop("param_state_sharding_type")
+    if kind != SHARDING_TYPE:
+        raise ValueError(f"distributed optimizer state saved as {kind!r}; this loader reads {SHARDING_TYPE!r} only")
+    # Stage 1 (megatron): param groups (lr, wd, and TE's group `step`), grad scaler, state allocation.
+    opt.load_state_dict(state_dict)
+    inner = opt.optimizer
+    saved_steps = {g["step"] for g in state_dict["optimizer"]["param_groups"] if g.get("step") is not None}
+    # Stage 2 (megatron): fp32 main params, exp_avg, exp_avg_sq -- without `step` in the destination
+    # (module docstring, 3). With TE/Apex there is no per-parameter `step` and nothing is taken out.
+    taken = {p: s.pop("step") for p, s in inner.state.items() if "step" in s}
+    opt.load_parameter_state_from_fully_reshardable(param_state)
+    if taken:
+        if len(saved_steps) != 1:
+            raise ValueError(f"expected one optimizer step in the checkpoint's param groups, got {saved_steps}")
+        step = float(saved_steps.pop())
+        for p, old in taken.items():  # one tensor per parameter, never shared (module docstring, 1)
+            inner.state[p]["step"] = torch.tensor(step, dtype=old.dtype, device=old.device)
+
+
+def load_state_dict(optimizer, state_dict: Any) -> None:
+    """Load what `dist_checkpointing.load` returned for `sharded_state_dict(..., is_loading=True)`."""
+    opt = _distributed(optimizer)
+    if opt is None:
+        optimizer.load_state_dict(state_dict)
+    else:
+        _load_distributed(opt, state_dict)
