@@ -120,3 +120,29 @@ def test_bad_arguments_name_the_problem():
         policy_loss(logp, behavior, adv, mask, 1.2, 0.8)
     with pytest.raises(ValueError, match="one shape"):
         policy_loss(logp[:1], behavior, adv, mask, 0.8, 1.2)
+
+
+@pytest.mark.parametrize("dual_clip", [3.0, None])
+def test_extreme_but_finite_behavior_logprobs_give_finite_loss_and_gradient(dual_clip):
+    """A behavior log-prob 1e4 below (or above) the current one: exp() of the raw log-ratio overflows
+    to inf, and the clipped branch's gradient would be 0 * inf = NaN. The clamped log-ratio keeps
+    the loss, its gradient, the metrics and the bound search finite."""
+    from megatron_bapo.algorithms import BapoConfig, clamped_log_ratio, search_clip_bounds
+
+    logp, behavior, adv, mask = _batch(seed=3)
+    behavior = behavior.clone()
+    behavior[1, 2] = logp[1, 2] - 1e4  # ratio e^10000: positive-advantage token, clipped
+    behavior[2, 3] = logp[2, 3] + 1e4  # ratio e^-10000
+    adv = adv.clone()
+    adv[1], adv[2] = 1.0, -1.0
+    mask = mask.clone()
+    mask[1, 2] = mask[2, 3] = 1.0
+    x = logp.clone().requires_grad_(True)
+    loss, metrics = policy_loss(x, behavior, adv, mask, 0.8, 1.2, dual_clip=dual_clip)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(v) for v in metrics.values())
+    assert x.grad[1, 2] == 0  # clipped above c_high: no gradient, as without the overflow
+    ratio = torch.exp(clamped_log_ratio(logp, behavior) * mask)
+    result = search_clip_bounds(ratio, adv, mask, BapoConfig())  # raised on inf ratios before the clamp
+    assert 0.0 <= result.rho <= 1.0
