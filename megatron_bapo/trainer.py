@@ -64,10 +64,11 @@ class Trainer:
             raise FileNotFoundError(f"model.hf_path={hf_path!r} has no config.json; point it at an HF checkpoint directory")
         self.hf_config = AutoConfig.from_pretrained(hf_path)
         self.actor = Actor(cfg.actor, self.hf_config)
-        self.rank = dist.get_rank()
+        self.rank = self.actor.parallel.rank
         self.is_driver = self.rank == 0
         # Objects (the batch, decisions) travel over a CPU group even when the actor uses NCCL.
-        self.cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        world = self.actor.parallel.world_group
+        self.cpu_group = world if dist.get_backend(world) == "gloo" else dist.new_group(backend="gloo")
         if self.is_driver:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_run_config(cfg), encoding="utf-8")

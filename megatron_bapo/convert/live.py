@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_bapo.convert.hf_io import HFCheckpointReader, HFShardWriter, copy_tokenizer_files, write_config
 from megatron_bapo.convert.mapping import ModelMapping, ShapeInfo, TensorRule, full_to_hf, get_mapping, hf_to_full, shard, unshard
+from megatron_bapo.models.parallel import ParallelGroups, current_groups
 from megatron_bapo.run_state import replace_dir
 
 logger = logging.getLogger(__name__)
@@ -74,9 +75,7 @@ def named_model_tensors(model_chunks: Sequence[Any], mapping: ModelMapping) -> I
 
 
 def _tp(tp_group) -> tuple[Any, int, int]:
-    from megatron.core import parallel_state as ps
-
-    group = tp_group if tp_group is not None else ps.get_tensor_model_parallel_group()
+    group = tp_group if tp_group is not None else current_groups().tp_group
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -171,8 +170,6 @@ def iter_hf_tensors(
     parameters' device, cast to `dtype` when given. A tensor larger than `bucket_bytes` is alone in its bucket.
     Different DP/CP replicas hold identical weights; run it on one replica or on all.
     """
-    from megatron.core import parallel_state as ps
-
     if gather_to not in ("all", "first", "local"):
         raise ValueError(f"iter_hf_tensors: gather_to must be 'all', 'first' or 'local', got {gather_to!r}")
     if bucket_bytes <= 0:
@@ -180,7 +177,7 @@ def iter_hf_tensors(
     mapping = get_mapping(hf_config)
     info = model_shape_info(model_chunks, hf_config)
     tp_group, _, tp_size = _tp(tp_group)
-    pp_group = pp_group if pp_group is not None else ps.get_pipeline_model_parallel_group()
+    pp_group = pp_group if pp_group is not None else current_groups().pp_group
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
 
     local: dict[Key, tuple[TensorRule, torch.nn.Parameter]] = {}
@@ -258,27 +255,28 @@ def save_model_as_hf(
     dtype: Optional[torch.dtype] = None,
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = True,
-    group: Any = None,
+    parallel: Optional[ParallelGroups] = None,
 ) -> Optional[Path]:
     """Write the live model as an HF directory (sharded safetensors, index, config, tokenizer files).
 
-    Collective over `group` (default: all ranks). Only the first data/context-parallel replica
-    gathers (over its TP/PP groups); the rank with TP = PP = DP = CP rank 0 writes `<out_dir>.tmp`
+    Collective over every rank of `parallel` (the actor's `ParallelGroups`; default: megatron's
+    current state). Only the first data/context-parallel replica gathers (over its TP/PP groups); the rank with TP = PP = DP = CP rank 0 writes `<out_dir>.tmp`
     and renames it to `out_dir` when complete (an existing `out_dir` is replaced when `overwrite`,
     otherwise FileExistsError), so a reader never sees a partial directory.
     `hf_config` (PretrainedConfig or dict) goes to config.json with `dtype`; `tokenizer_src` is an HF
     directory whose tokenizer/generation files are copied. Returns the path on the writer, else None.
     """
-    from megatron.core import parallel_state as ps
-
-    group = group if group is not None else dist.group.WORLD
+    parallel = parallel or current_groups()
+    group = parallel.world_group
     out = Path(out_dir).absolute()
-    first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-    writer_rank = first_replica and ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+    first_replica = parallel.dp_rank == 0 and parallel.cp_rank == 0
+    writer_rank = first_replica and parallel.tp_rank == 0 and parallel.pp_rank == 0
     error: Optional[BaseException] = None
     if writer_rank and out.exists() and not overwrite:
         error = FileExistsError(f"{out} exists; pass overwrite=True to replace it")
-    flag = torch.tensor([1 if error else 0], dtype=torch.int32)
+    # On the group's own device: an NCCL group cannot reduce a CPU tensor.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if error else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, group=group)  # every rank learns about the failure instead of hanging
     if int(flag.item()):
         raise error or RuntimeError(f"save_model_as_hf: the writer rank refused to write {out}")
@@ -291,7 +289,9 @@ def save_model_as_hf(
                 shutil.rmtree(tmp)
             writer = HFShardWriter(tmp, max_shard_bytes=max_shard_bytes, dtype=dtype)
         bucket_bytes = max(min(max_shard_bytes, 512 * 2**20), 1)
-        for bucket in iter_hf_tensors(model_chunks, hf_config, bucket_bytes=bucket_bytes, dtype=dtype, gather_to="first"):
+        buckets = iter_hf_tensors(model_chunks, hf_config, bucket_bytes=bucket_bytes, dtype=dtype, gather_to="first",
+                                  tp_group=parallel.tp_group, pp_group=parallel.pp_group)
+        for bucket in buckets:
             if writer is not None:
                 writer.add_all(bucket)
         if writer is not None:

@@ -180,9 +180,30 @@ def initialize_model_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> Paral
             create_gloo_process_groups=True,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    groups = ParallelGroups(
+    groups = current_groups(cfg)
+    logger.info(
+        "parallel layout: world=%d tp=%d pp=%d cp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d)",
+        groups.world_size, cfg.tp, cfg.pp, cfg.cp, groups.dp_size, groups.rank, groups.tp_rank, groups.pp_rank,
+        groups.dp_rank,
+    )
+    return groups
+
+
+def current_groups(cfg: Optional[ParallelConfig] = None) -> ParallelGroups:
+    """megatron's initialised parallel state as `ParallelGroups`: the one place that reads its globals.
+
+    Code that holds an actor passes `actor.parallel`; this is for tools and tests that build bare
+    model chunks after `initialize_model_parallel`. `cfg` defaults to the sizes megatron holds.
+    """
+    from megatron.core import parallel_state as ps
+
+    if cfg is None:
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+        cfg = ParallelConfig(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                             cp=ps.get_context_parallel_world_size(), vpp=vpp if vpp and vpp > 1 else None)
+    return ParallelGroups(
         config=cfg,
-        world_size=world_size,
+        world_size=dist.get_world_size(),
         rank=dist.get_rank(),
         tp_group=ps.get_tensor_model_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
@@ -198,8 +219,3 @@ def initialize_model_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> Paral
         cp_rank=ps.get_context_parallel_rank(),
         cp_size=ps.get_context_parallel_world_size(),
     )
-    logger.info(
-        "parallel layout: world=%d tp=%d pp=%d cp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d)",
-        world_size, cfg.tp, cfg.pp, cfg.cp, groups.dp_size, groups.rank, groups.tp_rank, groups.pp_rank, groups.dp_rank,
-    )
-    return groups

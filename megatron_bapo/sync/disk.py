@@ -13,8 +13,6 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import torch.distributed as dist
-
 from megatron_bapo.sync.http import ControlCalls
 
 logger = logging.getLogger(__name__)
@@ -41,7 +39,7 @@ class DiskWeightSync:
         self.urls = [u.rstrip("/") for u in (server_urls or [])]
         self.tokenizer_src = tokenizer_src
         self.timeout_s = timeout_s
-        self.is_driver = dist.get_rank() == 0
+        self.is_driver = actor.parallel.rank == 0
         self._calls = ControlCalls(timeout_s) if self.is_driver else None
 
     def sync(self, version: int) -> Path:
@@ -49,7 +47,7 @@ class DiskWeightSync:
 
         target = self.root / f"v{version:06d}"
         save_model_as_hf(self.actor.model, self.hf_config, target, tokenizer_src=self.tokenizer_src,
-                         max_shard_bytes=int(self.config.bucket_bytes))
+                         max_shard_bytes=int(self.config.bucket_bytes), parallel=self.actor.parallel)
         if self.is_driver:
             body = {"model_path": str(target.absolute()), "weight_version": str(version), "flush_cache": True}
             self._calls.wait_all([self._calls.post(u, "/update_weights_from_disk", body) for u in self.urls],

@@ -21,7 +21,6 @@ import time
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_bapo.sync.http import ControlCalls, WeightSyncError
 from megatron_bapo.sync.sender import DistributedWeightSender
@@ -51,7 +50,7 @@ class DistributedWeightSync:
         self.actor = actor
         self.hf_config = hf_config
         self.timeout_s = timeout_s
-        self.rank = dist.get_rank()
+        self.rank = actor.parallel.rank
         self.is_driver = self.rank == 0
         if server_urls is None and client is not None:
             server_urls = list(client.config.urls)
@@ -66,9 +65,7 @@ class DistributedWeightSync:
 
     # ------------------------------------------------------------------ group
     def _first_replica(self) -> bool:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        return self.actor.parallel.dp_rank == 0 and self.actor.parallel.cp_rank == 0
 
     def _ensure_group(self) -> None:
         if self._sender is not None:
@@ -98,8 +95,9 @@ class DistributedWeightSync:
             self._flush_caches()
         if not self._first_replica():
             return 0
+        p = self.actor.parallel
         buckets = iter_hf_tensors(self.actor.model, self.hf_config, bucket_bytes=int(self.config.bucket_bytes),
-                                  gather_to="first")
+                                  gather_to="first", tp_group=p.tp_group, pp_group=p.pp_group)
         sent = 0
         held = None  # one bucket of look-ahead: the last bucket carries the weight version
         for bucket in buckets:
