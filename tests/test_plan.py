@@ -51,15 +51,13 @@ def test_32b_true_parameter_count_and_fit(tmp_path):
      ("actor.parallel.pp=3", 64, "actor.parallel.pp=3"),
      ("actor.parallel.tp=10", 80, "num_key_value_heads=8"),
      ("actor.n_minibatches=3", 64, "actor.n_minibatches=3"),
-     ("actor.parallel.cp=4", 64, "2*cp"),
      ("actor.parallel.cp=1", 40, "GPU count 40"),
      ("actor.vocab_divisible_by=100", 64, "padded vocab")],
 )
 def test_invalid_layout_names_the_field(override, gpus, field):
     from megatron_bapo.planner import PlanError, inputs_from_run_yaml, validate_layout
 
-    ov = [override] + (["data.max_prompt_tokens=2050"] if "cp=4" in override else [])
-    inputs = inputs_from_run_yaml(CFG_32B, ov, hf_config=HF_32B, num_gpus=gpus)
+    inputs = inputs_from_run_yaml(CFG_32B, [override], hf_config=HF_32B, num_gpus=gpus)
     with pytest.raises(PlanError, match=field.replace("*", r"\*")):
         validate_layout(inputs)
 

@@ -10,8 +10,9 @@ def validate_layout(inputs: PlanInputs) -> list[str]:
     """Raise PlanError on the first impossible setting; return warnings for legal but poor ones.
 
     Checks: GPUs divisible by tp*pp*cp; tp divides attention heads, KV heads and the padded vocab;
-    pp (x vpp) divides layers; cp splits the sequence into 2*cp load-balanced chunks; the batch
-    divides into n_minibatches; sequence parallelism needs tp > 1.
+    pp (x vpp) divides layers; the batch divides into n_minibatches. (Sequence lengths need no
+    check: the actor pads each sequence to a multiple of 2*cp and each rank's tokens to a multiple of
+    tp under sequence parallelism, `actor.layout`.)
     """
     par = inputs.actor.parallel
     try:
@@ -37,11 +38,6 @@ def validate_layout(inputs: PlanInputs) -> list[str]:
     if world < 1 or world % mp:
         raise PlanError(
             f"GPU count {world} is not divisible by actor.parallel.tp*pp*cp = {par.tp}*{par.pp}*{par.cp} = {mp}"
-        )
-    if par.cp > 1 and inputs.seq_len % (2 * par.cp):
-        raise PlanError(
-            f"actor.parallel.cp={par.cp}: the sequence length {inputs.seq_len} must be divisible by 2*cp "
-            f"(load-balanced context parallelism); change data.max_prompt_tokens or rollout.max_response_tokens"
         )
     if inputs.batch_size is not None and inputs.batch_size % inputs.actor.n_minibatches:
         raise PlanError(

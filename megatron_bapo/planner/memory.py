@@ -6,7 +6,8 @@ Model state (exact for the actor as built, checked against a real CPU run in tes
   optimizer    local_params x (Adam moments 8 [+ fp32 master copy 4 for bf16]) / shards, where
                shards = dp x cp with the distributed optimizer (megatron shards over DP x CP), else 1.
 
-Activations (estimate, per micro-batch of `n` tokens on one rank: `n = max(token budget, seq_len) / cp`),
+Activations (estimate, per micro-batch of `n` tokens on one rank: `n = max(token budget, seq_len) / cp`,
+rounded up as the actor pads for CP/SP),
 elements per token and decoder layer, counted with saved-tensor hooks on the local (SDPA) spec:
   6h replicated over TP (two RMSNorms: input, normalised output, linear input)
   + (3 q_dim + 3 kv_dim + 5 ffn + heads) / tp   (q, k, the qkv buffer, attention out, softmax stats, SwiGLU)
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_bapo.actor.layout import MicroBatchLayout
 from megatron_bapo.models.registry import model_args_from_hf
 from megatron_bapo.planner.inputs import PlanInputs
 from megatron_bapo.planner.layout import validate_layout
@@ -122,7 +124,10 @@ def plan_memory(inputs: PlanInputs, counts: ParamCounts | None = None) -> Memory
     if actor.dtype != "float32":
         state += 4  # fp32 master weights
     shards = dp * par.cp if actor.use_distributed_optimizer else 1
-    n = -(-max(actor.max_tokens_per_microbatch, inputs.seq_len) // par.cp)
+    # Tokens per rank: the budget (or one longer sequence), padded to 2*cp chunks and, under sequence
+    # parallelism, to a multiple of tp per rank, exactly as the actor lays micro-batches out.
+    n = MicroBatchLayout(cp_size=par.cp, sp_size=par.tp if par.sequence_parallel else 1).padded_length(
+        max(actor.max_tokens_per_microbatch, inputs.seq_len)) // par.cp
     per_layer, per_layer_rc = _layer_elems_per_token(inputs)
     layers = counts.num_layers // par.pp
     vocab_local = counts.padded_vocab_size // par.tp
@@ -164,7 +169,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"x dp {plan.dp}; {c.num_layers // par.pp} layers/stage; sequence_parallel={par.sequence_parallel}; "
         f"dtype {inp.actor.dtype}; distributed optimizer={inp.actor.use_distributed_optimizer}",
         f"sequence: {inp.seq_len} tokens (prompt + response); micro-batch {plan.tokens_per_microbatch} tokens per rank "
-        f"(token budget {inp.actor.max_tokens_per_microbatch}, / cp {par.cp})",
+        f"(token budget {inp.actor.max_tokens_per_microbatch}, / cp {par.cp}; "
+        f"{'packed (THD)' if inp.actor.packing else 'padded'}; recompute {inp.actor.recompute})",
         "",
     ]
     cols = list(plan.stages)
