@@ -18,7 +18,7 @@ from test_actor_helpers import full_params, make_batch  # noqa: E402
 TEMPERATURE = 0.6
 
 
-def _actor(hf_dir, tp=1, pp=1, cp=1, sp=False, packing=False, agg="token-mean", budget=10_000, **kw):
+def _actor(hf_dir, tp=1, pp=1, cp=1, sp=False, vpp=None, packing=False, agg="token-mean", budget=10_000, **kw):
     """An actor holding the tiny HF checkpoint's weights (random init differs across PP layouts)."""
     from transformers import AutoConfig
 
@@ -29,7 +29,7 @@ def _actor(hf_dir, tp=1, pp=1, cp=1, sp=False, packing=False, agg="token-mean", 
 
     cfg = ActorConfig(
         optim=OptimConfig(name="sgd", lr=0.05, clip_grad=0.0),
-        parallel=ParallelConfig(tp=tp, pp=pp, cp=cp, sequence_parallel=sp),
+        parallel=ParallelConfig(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, vpp=vpp),
         max_tokens_per_microbatch=budget, packing=packing, loss_agg=agg, vocab_divisible_by=64,
         use_distributed_optimizer=False, **kw,
     )
@@ -63,16 +63,24 @@ def _assert_same(ref, got):
     torch.testing.assert_close(got["lp_after"], ref["lp_after"], atol=1e-5, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def hf4(tmp_path_factory):
+    """A tiny HF checkpoint with 4 layers (PP 2 x VPP 2 needs 4 stages)."""
+    from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
+
+    return str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf4"), seed=0, num_hidden_layers=4))
+
+
 @pytest.fixture(scope="module", params=["token-mean", "seq-mean-token-mean"])
-def reference(request, tiny_hf_dir):
+def reference(request, hf4):
     from dist_harness import run_dist
 
-    return request.param, run_dist(_step, 1, str(tiny_hf_dir), {"agg": request.param}, timeout=120)[0]
+    return request.param, run_dist(_step, 1, hf4, {"agg": request.param}, timeout=120)[0]
 
 
-def test_packed_equals_padded_including_gradients(run_dist, reference, tiny_hf_dir):
+def test_packed_equals_padded_including_gradients(run_dist, reference, hf4):
     agg, ref = reference
-    got = run_dist(_step, 1, str(tiny_hf_dir), {"packing": True, "agg": agg, "budget": 64}, timeout=120)[0]
+    got = run_dist(_step, 1, hf4, {"packing": True, "agg": agg, "budget": 64}, timeout=120)[0]
     _assert_same(ref, got)
     for name, upd in ref["update"].items():  # SGD: the update is -lr * gradient, parameter by parameter
         torch.testing.assert_close(got["update"][name], upd, atol=1e-7, rtol=1e-5, msg=name)
@@ -89,13 +97,14 @@ def test_packed_equals_padded_including_gradients(run_dist, reference, tiny_hf_d
         ({"tp": 2, "cp": 2, "packing": True}, 4),
         ({"tp": 2, "cp": 2, "sp": True}, 4),
         ({"pp": 2, "cp": 2, "packing": True, "budget": 64}, 4),
+        ({"pp": 2, "vpp": 2, "packing": True, "budget": 64}, 2),  # interleaved: one padded shape per pass
         ({"cp": 2, "packing": True, "budget": 64}, 4),  # DP 2 x CP 2
     ],
     ids=lambda v: "-".join(f"{k}{int(x) if isinstance(x, bool) else x}" for k, x in v.items()) if isinstance(v, dict) else str(v),
 )
-def test_parallel_layout_equals_single_process(run_dist, reference, tiny_hf_dir, layout, world_size):
+def test_parallel_layout_equals_single_process(run_dist, reference, hf4, layout, world_size):
     agg, ref = reference
-    results = run_dist(_step, world_size, str(tiny_hf_dir), {**layout, "agg": agg}, timeout=240)
+    results = run_dist(_step, world_size, hf4, {**layout, "agg": agg}, timeout=240)
     for got in results:
         assert got["cp"] == layout.get("cp", 1)
         _assert_same(ref, got)

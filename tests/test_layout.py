@@ -109,3 +109,20 @@ def test_costs_and_packed_plans():
     n_padded = len(plan_microbatches(lengths, 4, 16384, cost=padded.cost)[0])
     n_packed = len(plan_microbatches(lengths, 4, 16384, cost=packed.cost)[0])
     assert n_packed < n_padded
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_padding_a_pack_to_a_common_shape_trains_nothing_more(cp):
+    """Interleaved pipelines need one shape per pass: the filler slot holds no entry."""
+    from megatron_bapo.actor.layout import pad_packed_microbatch
+
+    data = _data([7, 12, 3])
+    layout = [MicroBatchLayout(packed=True, cp_size=cp, cp_rank=r) for r in range(cp)]
+    mbs = [build_microbatch(data, [0, 1, 2], lay) for lay in layout]
+    target = mbs[0]["input_ids"].shape[1] + 6
+    padded = [pad_packed_microbatch(mb, target, lay) for mb, lay in zip(mbs, layout)]
+    assert _entries(padded) == _entries(mbs)
+    for mb in padded:
+        assert mb["input_ids"].shape == (1, target)
+        slots = (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()
+        assert slots[-1] == 6 * cp and sum(slots) == target * cp

@@ -32,7 +32,13 @@ import torch.distributed as dist
 
 from megatron_bapo.actor import batching
 from megatron_bapo.actor.config import ActorConfig
-from megatron_bapo.actor.layout import POSITION_KEYS, MicroBatchLayout, build_microbatch, empty_like_microbatch
+from megatron_bapo.actor.layout import (
+    POSITION_KEYS,
+    MicroBatchLayout,
+    build_microbatch,
+    empty_like_microbatch,
+    pad_packed_microbatch,
+)
 from megatron_bapo.actor.logprobs import vocab_parallel_logprobs
 from megatron_bapo.actor.metrics import MetricSums, acc_keys, average_steps, staleness_metrics
 from megatron_bapo.algorithms import aggregation_weights, clamped_log_ratio, policy_loss, search_clip_bounds
@@ -71,7 +77,8 @@ class Actor:
         # (megatron rejects variable lengths with the default MoE dispatcher even for dense models.)
         overrides = dict(calculate_per_token_loss=True, sequence_parallel=pc.sequence_parallel,
                          **config.recompute_overrides())
-        if pc.pp > 1:
+        if pc.pp > 1 and not pc.vpp:
+            # Interleaved schedules exchange one fixed shape instead: `_microbatches` pads to it.
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
         chunks = [
             build_gpt_model(hf_config, dtype=dtype, vp_stage=stage if pc.vpp else None,
@@ -133,15 +140,24 @@ class Actor:
     def _microbatches(self, data: dict[str, torch.Tensor]) -> list[dict]:
         """This rank's micro-batches of `data` (token-aligned `[rows, T]`), same count on every DP rank."""
         lengths = [int(n) for n in data["attention_mask"].sum(-1)]
+        pc = self.config.parallel
         plan = batching.plan_microbatches(lengths, self.parallel.dp_size, self.config.max_tokens_per_microbatch,
-                                          cost=self.layout.cost)
+                                          cost=self.layout.cost, count_multiple=pc.pp if pc.vpp else 1)
         out = []
         for group in plan[self.parallel.dp_rank]:
             if group:
                 out.append(build_microbatch(data, group, self.layout))
             else:  # a rank with fewer rows than micro-batches runs a no-loss filler to keep counts equal
                 out.append(empty_like_microbatch(build_microbatch(data, [0], self.layout)))
+        if pc.vpp:  # one shape for the whole pass (the same on every rank of the pipeline)
+            longest = max(int(n) for n in self._local_lengths(plan, lengths))
+            out = [pad_packed_microbatch(mb, longest, self.layout) for mb in out]
         return out
+
+    def _local_lengths(self, plan: list, lengths: list[int]) -> list[int]:
+        """Tokens per rank of every micro-batch of the plan, on every DP rank (for a common shape)."""
+        return [self.layout.cost([lengths[i] for i in group]) // self.layout.cp_size
+                for shard in plan for group in shard]
 
     # ------------------------------------------------------------------ model passes
     def _forward_step(self, loss_fn, data_iterator, model):

@@ -80,7 +80,8 @@ def _split_to(bins: list[list[int]], count: int, lengths: Sequence[int], cost: C
 
 
 def plan_microbatches(
-    lengths: Sequence[int], dp_size: int, max_tokens_per_microbatch: int, cost: CostFn = padded_cost
+    lengths: Sequence[int], dp_size: int, max_tokens_per_microbatch: int, cost: CostFn = padded_cost,
+    *, count_multiple: int = 1,
 ) -> list[list[list[int]]]:
     """`plan[dp_rank][k]` = row indices of micro-batch k on that rank; equal counts on all ranks.
 
@@ -88,8 +89,11 @@ def plan_microbatches(
     rows x longest; packed: the sum), kept within `max_tokens_per_microbatch` (a longer sequence
     goes alone). A rank that needs fewer micro-batches than another splits its costliest ones, and
     only a rank with fewer rows than micro-batches gets empty ones (the actor runs a no-loss filler).
+    The count is rounded up to `count_multiple` (interleaved pipeline schedules need a multiple of
+    the pipeline size).
     """
     shards = balanced_dp_shards(lengths, dp_size)
     packed = [pack_rows(s, lengths, max_tokens_per_microbatch, cost) for s in shards]
     count = max(max(len(p) for p in packed), 1)
+    count = -(-count // count_multiple) * count_multiple
     return [[sorted(b) for b in _split_to(p, count, lengths, cost)] for p in packed]

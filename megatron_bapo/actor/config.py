@@ -128,6 +128,11 @@ class ActorConfig:
             raise ValueError(f"ActorConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"ActorConfig.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        if self.parallel.vpp and not self.packing:
+            raise ValueError(
+                f"ActorConfig.parallel.vpp={self.parallel.vpp} needs packing=True: interleaved pipeline schedules "
+                "exchange one fixed micro-batch shape, which the actor builds by padding packed micro-batches"
+            )
         if self.use_distributed_optimizer and self.optim.name != "adam":
             raise ValueError(
                 f"ActorConfig.use_distributed_optimizer=True needs OptimConfig.name='adam' (megatron-core's "

@@ -144,6 +144,31 @@ def build_microbatch(data: dict[str, torch.Tensor], rows: list[int], layout: Mic
     return mb
 
 
+def pad_packed_microbatch(mb: dict, local_length: int, layout: MicroBatchLayout) -> dict:
+    """A packed micro-batch extended by a filler slot to `local_length` tokens on this rank.
+
+    Interleaved pipeline schedules exchange one fixed tensor shape, so every packed micro-batch of a
+    pass is padded to the longest. The filler slot predicts nothing and attends only to itself.
+    """
+    extra = local_length - mb["input_ids"].shape[1]
+    if extra < 0:
+        raise ValueError(f"pad_packed_microbatch: micro-batch has {mb['input_ids'].shape[1]} > {local_length} tokens")
+    if extra == 0:
+        return mb
+    slot = extra * layout.cp_size
+    _, _, position = packed_index([slot], layout.cp_size, layout.cp_rank)
+    out = {}
+    for key, value in mb.items():
+        if key in ("cu_seqlens", "max_seqlen"):
+            continue
+        fill = -1 if key in ("row", "col") else 0
+        out[key] = torch.cat([value, value.new_full((1, extra), fill)], dim=1)
+    out["position_ids"][0, -extra:] = position
+    out["cu_seqlens"] = torch.cat([mb["cu_seqlens"], mb["cu_seqlens"][-1:] + slot])
+    out["max_seqlen"] = max(int(mb["max_seqlen"]), slot)
+    return out
+
+
 def empty_like_microbatch(mb: dict) -> dict:
     """A copy of `mb` that trains nothing (a filler for ranks with fewer micro-batches)."""
     out = dict(mb)

@@ -49,10 +49,12 @@ class SpTorchNorm:
         for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
             if getattr(config, flag, False):
                 raise ValueError(f"SpTorchNorm: TransformerConfig.{flag}=True needs Apex or Transformer Engine")
+        # In the model's parameter dtype, as TE's and Apex's norms are (a bf16 model with fp32 norm
+        # weights would mix dtypes in every layer).
         if config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+            norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         elif config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(normalized_shape=hidden_size, eps=eps)
+            norm = torch.nn.LayerNorm(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         else:
             raise ValueError(f"SpTorchNorm: normalization {config.normalization!r} is not supported")
         for param in norm.parameters():
