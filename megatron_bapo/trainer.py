@@ -108,7 +108,7 @@ class Trainer:
         self.client.wait_healthy()
         self.rollout = PartialRolloutManager(self.client, PartialRolloutConfig(
             group_size=rc.group_size, max_response_tokens=rc.max_response_tokens, segment_tokens=rc.segment_tokens,
-            max_staleness=rc.max_staleness,
+            max_staleness=rc.max_staleness, seed=cfg.trainer.seed,
             sampling=SamplingConfig(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k),
         ))
         if state:

@@ -138,6 +138,12 @@ class PartialRolloutConfig:
     `max_context_tokens - len(prompt + response so far)` tokens, and a sample with no room left is
     truncated; SGLang would reject the request with a 400 instead. None = do not clip."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: Optional[int] = None
+    """When set, every segment request carries its own `sampling_seed`, derived from (seed, the
+    group's prompt index and start version, the sample's index in the group, the tokens it has so
+    far, its regenerations): the same run samples the same responses whatever order its requests
+    reach the servers in, and a resumed run samples as the uninterrupted one would. None: the
+    servers' own generators."""
 
     def __post_init__(self) -> None:
         if self.max_context_tokens is not None and self.max_context_tokens < 2:

@@ -22,10 +22,11 @@ JSON-safe and restores the buffer exactly.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from megatron_bapo.rollout.client import RolloutClient
 from megatron_bapo.rollout.config import PartialRolloutConfig
@@ -71,7 +72,7 @@ class PartialRolloutManager:
                                             samples=[Sample(prompt_ids=list(p.prompt_ids)) for _ in range(g)]))
         step["num_groups_started"] = len(prompts)
 
-        jobs: list[Sample] = []
+        jobs: list[tuple[Sample, Optional[int]]] = []
         for group in self.buffer:
             # The cap covers finished samples waiting for their siblings too, and the whole group
             # restarts together, so its samples stay in step (they would otherwise reset each other).
@@ -81,17 +82,17 @@ class PartialRolloutManager:
                         s.reset()
                         s.num_regenerations += 1
                         step["num_regenerated"] += 1
-            for s in group.samples:
+            for j, s in enumerate(group.samples):
                 if not s.state.resumable:
                     continue
                 if self._budget(s) <= 0:
                     s.state = SampleState.TRUNCATED
                     continue
-                jobs.append(s)
+                jobs.append((s, self._request_seed(group, j, s)))
 
-        results = await asyncio.gather(*(self._segment(s) for s in jobs), return_exceptions=True)
+        results = await asyncio.gather(*(self._segment(s, seed) for s, seed in jobs), return_exceptions=True)
         errors: list[BaseException] = []
-        for s, res in zip(jobs, results):
+        for (s, _), res in zip(jobs, results):
             if isinstance(res, RequestRejected):
                 s.state, s.error = SampleState.FAILED, str(res)
                 logger.warning("rollout request rejected, its group is dropped: %s", res)
@@ -129,8 +130,17 @@ class PartialRolloutManager:
             budget = min(budget, self.config.max_context_tokens - len(s.prompt_ids) - len(s.response_ids))
         return budget
 
-    async def _segment(self, s: Sample) -> GenerateResult:
+    def _request_seed(self, group: RolloutGroup, index: int, s: Sample) -> Optional[int]:
+        """The segment's `sampling_seed` (PartialRolloutConfig.seed), or None for the server's generator."""
+        if self.config.seed is None:
+            return None
+        key = f"{self.config.seed}:{group.prompt.index}:{group.start_version}:{index}:{len(s.response_ids)}:{s.num_regenerations}"
+        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
+
+    async def _segment(self, s: Sample, seed: Optional[int] = None) -> GenerateResult:
         params = {**self.config.sampling.to_params(), "max_new_tokens": self._budget(s)}
+        if seed is not None:
+            params["sampling_seed"] = seed
         return await self.client.agenerate(s.prompt_ids + s.response_ids, params)
 
     def _apply(self, s: Sample, res: GenerateResult, version: int, step: dict[str, int]) -> None:
