@@ -39,14 +39,17 @@ def init_weights_update_group(
 ):
     """Create (and rendezvous) a standalone process group; blocks until all `world_size` ranks join.
 
-    Used by both sides: the trainer as rank 0, each server as `rank_offset + tp_rank`.
+    Used by both sides: the trainer as rank 0 (it hosts the store), each server as
+    `rank_offset + tp_rank`. The store is built directly, not through `rendezvous("tcp://...")`:
+    under torchrun that handler connects to the launcher's agent store instead of hosting one
+    (TORCHELASTIC_USE_AGENT_STORE), and rank 0 would wait forever for a store nobody serves.
     """
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    store = TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
+                     wait_for_workers=False)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
