@@ -7,8 +7,9 @@ layouts the actor feeds the model:
 - padded (`[s, b, heads, dim]`, right padding): plain causal SDPA; padding comes after every real
   token, so it needs no mask;
 - packed (THD, `packed_seq_params.qkv_format == "thd"`, `[t, heads, dim]`): block-diagonal causal,
-  every sequence of the pack attends only to its own earlier tokens. Sequences are laid out as a
-  `[num_seqs, longest]` batch for one SDPA call, and the outputs are put back in pack order;
+  every sequence of the pack attends only to its own earlier tokens. Sequences of similar length
+  (within 2x) are laid out as one `[num_seqs, longest]` batch per SDPA call, and the outputs are put
+  back in pack order;
 - context parallel (either layout, CP size > 1): this rank holds its load-balanced chunks
   (`models.context_parallel`); keys and values are all-gathered over the CP group (gradients
   reduce-scattered back) and the mask is causal by GLOBAL position, so `cp=2` equals `cp=1`.
@@ -107,39 +108,56 @@ def _sdpa_attention_class():
             t, nh, hn = query.shape
             dev = query.device
             local = [n // size for n in lengths]
-            n_seq, lq = len(lengths), max(local)
-            # Local tokens are sequence-major: sequence i occupies [start_i, start_i + local_i).
-            starts = torch.tensor([0] + local[:-1], device=dev).cumsum(0)
-            j = torch.arange(lq, device=dev)
-            q_valid = j.unsqueeze(0) < torch.tensor(local, device=dev).unsqueeze(1)  # [n, lq]
-            q_index = (starts.unsqueeze(1) + j.unsqueeze(0)).clamp(max=t - 1)
-            q = query[q_index].permute(0, 2, 1, 3)  # [n, np, lq, hn]
-            if size == 1:
-                # Keys are the queries' own tokens: causal within each padded row is exact.
-                k = key[q_index].permute(0, 2, 1, 3)
-                v = value[q_index].permute(0, 2, 1, 3)
-                mask = None
-            else:
+            starts = [0]
+            for n in local[:-1]:
+                starts.append(starts[-1] + n)
+            k_all = v_all = order = q_pos_all = None
+            if size > 1:
                 k_all = gather_along_sequence(key, self.cp_group)
                 v_all = gather_along_sequence(value, self.cp_group)
-                # Put the gathered keys in global pack order: sequence i is [cu_i, cu_i + len_i).
+                # Gathered keys in global pack order: sequence i is [cu_i, cu_i + len_i).
                 layouts = [packed_index(lengths, size, r) for r in range(size)]
                 global_flat = torch.cat([flat for flat, _, _ in layouts]).to(dev)
                 order = torch.empty_like(global_flat)
                 order[global_flat] = torch.arange(global_flat.numel(), device=dev)
-                lk = max(lengths)
-                jk = torch.arange(lk, device=dev)
-                k_valid = jk.unsqueeze(0) < torch.tensor(lengths, device=dev).unsqueeze(1)  # [n, lk]
-                k_index = order[(cu[:-1].to(dev).long().unsqueeze(1) + jk.unsqueeze(0)).clamp(max=order.numel() - 1)]
-                k = k_all[k_index].permute(0, 2, 1, 3)
-                v = v_all[k_index].permute(0, 2, 1, 3)
-                _, _, q_pos_flat = layouts[rank]
-                q_pos = q_pos_flat.to(dev)[q_index]
-                q_pos = torch.where(q_valid, q_pos, torch.full_like(q_pos, lk))  # padding rows see every key
-                mask = (k_valid.unsqueeze(1) & (jk.view(1, 1, lk) <= q_pos.unsqueeze(2))).unsqueeze(1)
-            out = self._sdpa(q, k, v, mask)  # [n, np, lq, hn]
-            out = out.permute(0, 2, 1, 3).reshape(n_seq * lq, nh * hn)
-            return out[q_valid.reshape(-1)]
+                q_pos_all = layouts[rank][2].to(dev)
+            # One SDPA call per length bucket (lengths within 2x of each other): padding a pack to
+            # its longest sequence would cost (sequences x longest^2), far more than the pack itself.
+            buckets: dict[int, list[int]] = {}
+            for i, n in enumerate(local):
+                buckets.setdefault(max(n, 1).bit_length(), []).append(i)
+            outs, rows = [], []
+            for seqs in buckets.values():
+                lq = max(local[i] for i in seqs)
+                j = torch.arange(lq, device=dev)
+                n_local = torch.tensor([local[i] for i in seqs], device=dev)
+                q_valid = j.unsqueeze(0) < n_local.unsqueeze(1)  # [n, lq]
+                q_index = (torch.tensor([starts[i] for i in seqs], device=dev).unsqueeze(1) + j).clamp(max=t - 1)
+                q = query[q_index].permute(0, 2, 1, 3)  # [n, np, lq, hn]
+                if size == 1:
+                    # Keys are the queries' own tokens: causal within each padded row is exact.
+                    k = key[q_index].permute(0, 2, 1, 3)
+                    v = value[q_index].permute(0, 2, 1, 3)
+                    mask = None
+                else:
+                    lk = max(lengths[i] for i in seqs)
+                    jk = torch.arange(lk, device=dev)
+                    n_global = torch.tensor([lengths[i] for i in seqs], device=dev)
+                    k_valid = jk.unsqueeze(0) < n_global.unsqueeze(1)  # [n, lk]
+                    first = cu[:-1].to(dev).long()[torch.tensor(seqs, device=dev)]
+                    k_index = order[(first.unsqueeze(1) + jk).clamp(max=order.numel() - 1)]
+                    k = k_all[k_index].permute(0, 2, 1, 3)
+                    v = v_all[k_index].permute(0, 2, 1, 3)
+                    q_pos = torch.where(q_valid, q_pos_all[q_index], torch.full_like(q_index, lk))  # padding sees all
+                    mask = (k_valid.unsqueeze(1) & (jk.view(1, 1, lk) <= q_pos.unsqueeze(2))).unsqueeze(1)
+                out = self._sdpa(q, k, v, mask).permute(0, 2, 1, 3).reshape(-1, nh * hn)  # [n * lq, np * hn]
+                keep = q_valid.reshape(-1)
+                outs.append(out[keep])
+                rows.append(q_index.reshape(-1)[keep])
+            # Back to pack order.
+            perm = torch.empty(t, dtype=torch.long, device=dev)
+            perm[torch.cat(rows)] = torch.arange(t, device=dev)
+            return torch.cat(outs)[perm]
 
     return SdpaAttention
 
