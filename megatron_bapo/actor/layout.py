@@ -125,18 +125,18 @@ def build_microbatch(data: dict[str, torch.Tensor], rows: list[int], layout: Mic
         keep = chunk_index(width, layout.cp_size, layout.cp_rank)
         return {k: v.index_select(1, keep).contiguous() for k, v in mb.items()}
     slots = layout.packed_lengths(lengths)
-    parts = []
-    for i, r in enumerate(rows):
-        part = {k: v[0] for k, v in _shifted_rows(data, [r], slots[i]).items()}
-        part["position_ids"] = torch.arange(slots[i])
-        parts.append(part)
+    width = max(slots[:len(rows)])
+    rowwise = _shifted_rows(data, rows, width)
+    rowwise["position_ids"] = torch.arange(width).expand(len(rows), -1)
+    take = torch.arange(width).unsqueeze(0) < torch.tensor(slots[:len(rows)]).unsqueeze(1)
+    pack = {k: v[take] for k, v in rowwise.items()}  # row after row, each its slot long
     if len(slots) > len(rows):  # the filler slot: predicts nothing
-        filler = {k: v.new_zeros(slots[-1]) for k, v in parts[0].items()}
-        filler["row"] = filler["col"] = torch.full((slots[-1],), -1, dtype=torch.long)
-        filler["position_ids"] = torch.arange(slots[-1])
-        parts.append(filler)
+        n = slots[-1]
+        for k, v in pack.items():
+            fill = torch.arange(n) if k == "position_ids" else v.new_full((n,), -1 if k in ("row", "col") else 0)
+            pack[k] = torch.cat([v, fill])
     flat, _, _ = packed_index(slots, layout.cp_size, layout.cp_rank)
-    mb = {k: torch.cat([p[k] for p in parts]).index_select(0, flat).unsqueeze(0).contiguous() for k in parts[0]}
+    mb = {k: v.index_select(0, flat).unsqueeze(0).contiguous() for k, v in pack.items()}
     cu = torch.zeros(len(slots) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(slots, dtype=torch.int32).cumsum(0)
     mb["cu_seqlens"] = cu
