@@ -131,3 +131,24 @@ def test_recipe_rehearsal_8_ranks_equals_one_process(assets, tmp_path):
                     "actor/num_loss_tokens", "bapo/c_low", "bapo/c_high", "staleness/mean"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_first_update_on_policy_on_one_gpu(assets, tmp_path, packing):
+    """The CUDA path (Transformer Engine attention when installed, THD kernels when packed)."""
+    first = _first_update(_run(_config(assets, tmp_path / f"gpu-{packing}"), 1, f"actor.packing={packing}"))
+    assert abs(first["actor/kl_k1"]) < 1e-4 and abs(first["actor/ratio_mean"] - 1.0) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_context_parallel_on_two_gpus(assets, tmp_path, packing):
+    """CP=2 through TE's context-parallel attention (the CPU all-gather attention's GPU counterpart)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"CP=2 on GPUs needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    first = _first_update(_run(_config(assets, tmp_path / f"gpu-cp2-{packing}"), 2, "actor.parallel.cp=2",
+                               f"actor.packing={packing}"))
+    assert abs(first["actor/kl_k1"]) < 1e-4 and abs(first["actor/ratio_mean"] - 1.0) < 1e-3

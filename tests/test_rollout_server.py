@@ -158,10 +158,22 @@ def test_kill_one_of_two_servers_mid_rollout(servers, tokenizer):
         assert len(s.response_logprobs) == 120 and set(s.response_versions) == {20}
 
 
-def test_seeded_requests_sample_the_same_whatever_the_order(servers, checkpoints, tokenizer):
+@pytest.fixture
+def fresh_servers(checkpoints):
+    """Two servers of this test's own (the module's pair may have one killed by an earlier test)."""
+    with ThreadPoolExecutor(2) as pool:
+        handles = list(pool.map(lambda _: start_server(checkpoints[0], extra_args=SERVER_ARGS), range(2)))
+    try:
+        yield handles
+    finally:
+        for h in handles:
+            h.stop()
+
+
+def test_seeded_requests_sample_the_same_whatever_the_order(fresh_servers, checkpoints, tokenizer):
     """PartialRolloutConfig.seed: every segment carries its own sampling_seed, so the responses do
     not depend on which requests share a server batch or reach it first (nor on a restart)."""
-    urls = [h.url for h in servers]
+    urls = [h.url for h in fresh_servers]
 
     def run(seed, prompts):
         cfg = PartialRolloutConfig(group_size=3, max_response_tokens=8, segment_tokens=4, max_staleness=None,
