@@ -61,7 +61,8 @@ def _distributed(optimizer):
     if not dist_members:
         return None
     if len(members) > 1:  # e.g. MoE expert parameters get their own member; dense models build one
-        raise NotImplementedError(f"checkpoints of a chained optimizer with {len(members)} members are not supported")
+        raise ValueError(f"distributed-optimizer checkpoints support one optimizer (dense models); this one chains "
+                         f"{len(members)} (e.g. MoE expert parameters): set actor.use_distributed_optimizer=false")
     return dist_members[0]
 
 
@@ -77,7 +78,7 @@ def _init_torch_adam_state(opt) -> None:
     inner = opt.optimizer
     for group in inner.param_groups:
         if group.get("amsgrad", False):
-            raise NotImplementedError("amsgrad state is not handled by megatron's distributed optimizer checkpoint")
+            raise ValueError("amsgrad state is not handled by megatron's distributed optimizer checkpoint")
         for p in group["params"]:
             if len(inner.state[p]) == 0:
                 inner.state[p]["step"] = torch.zeros((), dtype=torch.float32)
