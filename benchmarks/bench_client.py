@@ -1,6 +1,6 @@
 """Rollout client overhead per request, against an in-process stand-in server (no model).
 
-The server (`megatron_bapo.rollout.fake_server`) answers `/generate` in SGLang's response shape at
+The server (`tests/fake_server.py`) answers `/generate` in SGLang's response shape at
 once, so the time per request is HTTP + JSON + the client's own work. Three ways to send the same
 requests, all with up to `--concurrency` in flight:
   raw      bare aiohttp POSTs (the floor: what any HTTP client pays)
@@ -15,6 +15,8 @@ The server shares this process (and its GIL), so read the ratios, not the absolu
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import asyncio
 import time
 import uuid
@@ -23,7 +25,8 @@ import aiohttp
 
 from megatron_bapo.rollout import (PartialRolloutConfig, PartialRolloutManager, Prompt, RolloutClient,
                                    RolloutClientConfig, SamplingConfig)
-from megatron_bapo.rollout.fake_server import ThreadedFakeServer
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from fake_server import ThreadedFakeServer  # noqa: E402 - the test double lives with the tests
 
 
 async def raw(url: str, n: int, concurrency: int, tokens: int) -> float:

@@ -133,7 +133,7 @@ start_bg actor "${SRUN[@]}" --nodes="$ACTOR_NODES" --ntasks-per-node=1 --nodelis
   --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
   -m megatron_bapo.train --config "$CONFIG" \
   model.hf_path="$MODEL_DIR" data.path="$DATA_PATH" trainer.output_dir="$OUTPUT_DIR" \
-  "rollout.server_urls=$(yaml_list "${WORKER_URLS[@]}")" rollout.router_url="$ROUTER_URL" \
+  "rollout.client.urls=$(yaml_list "${WORKER_URLS[@]}")" rollout.client.router_url="$ROUTER_URL" \
   sync.method=distributed sync.backend=nccl sync.master_address="$MASTER_ADDR" sync.master_port="$SYNC_PORT" \
   "$@"
 ACTOR_PID=$BG_PID

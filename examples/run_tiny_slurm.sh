@@ -87,7 +87,7 @@ start_bg actor srun --overlap --ntasks=1 \
   "${LAUNCH[@]}" -m megatron_bapo.train --config "$CONFIG" \
   model.hf_path="$TINY_DIR/base_model" data.path="$TINY_DIR/data/train.jsonl" \
   "eval.datasets=[{name: tiny_test, path: $TINY_DIR/data/test.jsonl}]" \
-  trainer.output_dir="$OUTPUT_DIR" "rollout.server_urls=$(yaml_list "$SERVER_URL")" trainer.progress=false \
+  trainer.output_dir="$OUTPUT_DIR" "rollout.client.urls=$(yaml_list "$SERVER_URL")" trainer.progress=false \
   "${SYNC_ARGS[@]}" "$@"
 ACTOR_PID=$BG_PID
 

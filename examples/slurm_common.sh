@@ -149,7 +149,7 @@ wait_bg() {
   return "$status"
 }
 
-# yaml_list ITEM...: "[a,b,c]", the form of a list override (rollout.server_urls=[...]).
+# yaml_list ITEM...: "[a,b,c]", the form of a list override (rollout.client.urls=[...]).
 yaml_list() {
   local IFS=,
   printf '[%s]' "$*"

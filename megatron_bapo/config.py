@@ -24,6 +24,7 @@ from megatron_bapo.algorithms.config import BapoConfig
 from megatron_bapo.config_io import ConfigError, apply_overrides, from_dict, to_dict
 from megatron_bapo.data.config import DatasetConfig
 from megatron_bapo.eval.config import EvalConfig
+from megatron_bapo.rollout.config import PartialRolloutConfig, RolloutClientConfig
 
 
 @dataclass
@@ -44,6 +45,11 @@ class TrainerConfig:
     """Seeds the prompt order and the rollout sampling seeds (the actor has `actor.seed`)."""
     eval_at_start: bool = True
     """Run the `eval` datasets once before the first step (the baseline at step 0), when eval is on."""
+    async_steps: int = 0
+    """How many RL steps rollout may run ahead of training. 0: the synchronous loop (generate,
+    train, sync). k >= 1: rank 0 keeps generating the groups of steps n+1..n+k while the actor
+    trains step n; every token keeps its behavior log-prob and the version that produced it, and
+    `rollout.max_staleness` still bounds what is trained."""
     progress: bool = True
     """tqdm progress bar on rank 0's console."""
     log_level: str = "INFO"
@@ -55,6 +61,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.save_every must be >= 0, got {self.save_every}")
         if self.keep_checkpoints < 0:
             raise ConfigError(f"trainer.keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
+        if self.async_steps < 0:
+            raise ConfigError(f"trainer.async_steps must be >= 0, got {self.async_steps}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"trainer.log_level must be DEBUG/INFO/WARNING/ERROR, got {self.log_level!r}")
 
@@ -70,67 +78,44 @@ class ModelConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """Where rollouts come from and how they are sampled (design section 3 steps 2-3)."""
+class RolloutConfig(PartialRolloutConfig):
+    """Where rollouts come from and how they are sampled (design section 3 steps 2-3).
 
-    server_urls: list[str] = field(default_factory=list)
-    """SGLang servers (control calls and, without a router, generation). Empty: start built-in servers."""
-    router_url: Optional[str] = None
-    """sglang-router URL for /generate (control calls still go to each of `server_urls`)."""
-    num_builtin_servers: int = 1
-    """Built-in servers started on loopback when `server_urls` is empty."""
-    group_size: int = 8
-    """G: samples per prompt (the GRPO group)."""
+    The section IS the partial-rollout manager's config (`group_size`, `max_response_tokens`,
+    `segment_tokens`, `max_staleness`, `max_context_tokens`, and `sampling`: SGLang sampling
+    parameters) plus what the driver needs around it; `client` is the rollout client's config. The
+    components receive these objects as they are: no field is copied or defaulted twice.
+    """
+
     prompts_per_step: int = 8
     """Groups per RL step (the batch is `prompts_per_step x group_size` responses)."""
-    max_response_tokens: int = 1024
-    segment_tokens: Optional[int] = None
-    """Partial rollout: generation budget per request per step; unfinished responses are resumed in
-    later steps. None: every response is generated to the end within its step."""
-    max_staleness: int = 4
-    """A buffered response whose oldest token is more than this many versions old is regenerated."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer's log-probs and entropy are those of softmax(logits / T)."""
-    top_p: float = 1.0
-    """Must stay 1.0 for training rollouts (see __post_init__)."""
-    top_k: int = -1
-    """Must stay -1 for training rollouts."""
-    max_concurrency: int = 256
-    request_timeout_s: float = 600.0
-    max_retries: int = 3
-    startup_timeout_s: float = 300.0
-    """How long to wait for servers' /health at start."""
+    num_builtin_servers: int = 1
+    """Built-in servers started on loopback when `client.urls` and `client.router_url` are empty."""
+    client: RolloutClientConfig = field(default_factory=RolloutClientConfig)
+    """Servers, router, concurrency, timeouts, retries, API key (`client.health_timeout_s` also bounds
+    the built-in servers' start)."""
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "prompts_per_step", "max_response_tokens", "num_builtin_servers",
-                     "max_concurrency"):
+        super().__post_init__()
+        for name in ("prompts_per_step", "num_builtin_servers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-        if self.segment_tokens is not None and self.segment_tokens < 1:
-            raise ConfigError(f"rollout.segment_tokens must be >= 1 or null, got {self.segment_tokens}")
-        if self.max_staleness < 0:
-            raise ConfigError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
-        if self.temperature <= 0:
-            raise ConfigError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
+        sp = self.sampling
+        if sp.temperature <= 0:
+            raise ConfigError(f"rollout.sampling.temperature must be > 0 for RL sampling, got {sp.temperature}")
         # The trainer recomputes the behavior distribution as softmax(logits / temperature); truncated
         # sampling (top-p / top-k) changes the distribution in a way it cannot reproduce, so the
         # importance ratios (and BAPO's bounds) would be wrong. Evaluation may truncate (eval.top_p).
-        if self.top_p != 1.0:
-            raise ConfigError(f"rollout.top_p={self.top_p}: training rollouts must sample the full distribution "
-                              f"(top_p: 1.0), which the trainer's log-probs reproduce; eval.top_p may be below 1")
-        if self.top_k != -1:
-            raise ConfigError(f"rollout.top_k={self.top_k}: training rollouts must sample the full distribution "
-                              f"(top_k: -1), which the trainer's log-probs reproduce")
-        if self.segment_tokens is not None:
-            segments = -(-self.max_response_tokens // self.segment_tokens)
-            if self.max_staleness < segments - 1:
-                raise ConfigError(
-                    f"rollout.max_staleness={self.max_staleness} < {segments - 1}: a {self.max_response_tokens}-token "
-                    f"response takes {segments} segments of {self.segment_tokens} (one per step), so its first "
-                    f"tokens are {segments - 1} versions old when it ends and it would be regenerated forever; "
-                    f"raise rollout.max_staleness or rollout.segment_tokens")
-        if self.router_url and not self.server_urls:
-            raise ConfigError("rollout.router_url needs rollout.server_urls too (weight updates go to each server)")
+        if sp.top_p != 1.0:
+            raise ConfigError(f"rollout.sampling.top_p={sp.top_p}: training rollouts must sample the full "
+                              f"distribution (top_p: 1.0), which the trainer's log-probs reproduce; eval.top_p may be below 1")
+        if sp.top_k != -1:
+            raise ConfigError(f"rollout.sampling.top_k={sp.top_k}: training rollouts must sample the full "
+                              f"distribution (top_k: -1), which the trainer's log-probs reproduce")
+        bad = sorted({"top_p", "top_k", "min_p", "temperature"} & set(sp.extra))
+        if bad:
+            raise ConfigError(f"rollout.sampling.extra sets {bad}; use rollout.sampling.temperature (the others "
+                              f"truncate the distribution, which training cannot reproduce)")
 
 
 @dataclass
@@ -171,6 +156,11 @@ class SyncConfig:
     """Tensors per broadcast bucket ("distributed") / per safetensors shard ("disk")."""
     keep_versions: int = 2
     """HF directories kept under `output_dir/hf_sync/` ("disk"); older ones are deleted."""
+    pause_mode: Optional[str] = None
+    """How an update meets generation in flight (`megatron_bapo.sync.pause`): null waits for the
+    in-flight requests (between segments with partial rollout); "abort" returns them with their
+    partial tokens (resumed under the new weights); "retract" / "in_place" keep them running on the
+    new weights, with per-token versions. Matters with `trainer.async_steps` > 0."""
 
     def __post_init__(self) -> None:
         if self.method not in ("disk", "distributed"):
@@ -181,6 +171,8 @@ class SyncConfig:
             raise ConfigError(f"sync.bucket_bytes must be >= 1024, got {self.bucket_bytes}")
         if self.keep_versions < 1:
             raise ConfigError(f"sync.keep_versions must be >= 1, got {self.keep_versions}")
+        if self.pause_mode not in (None, "abort", "retract", "in_place"):
+            raise ConfigError(f"sync.pause_mode must be null, 'abort', 'retract' or 'in_place', got {self.pause_mode!r}")
 
 
 @dataclass
@@ -198,12 +190,22 @@ class RunConfig:
     """Named BAPO configuration; `actor.bapo.*` keys given explicitly override its fields."""
 
     def __post_init__(self) -> None:
-        batch = self.rollout.prompts_per_step * self.rollout.group_size
+        ro = self.rollout
+        batch = ro.prompts_per_step * ro.group_size
         if batch % self.actor.n_minibatches:
             raise ConfigError(
                 f"actor.n_minibatches={self.actor.n_minibatches} must divide the batch "
                 f"rollout.prompts_per_step x rollout.group_size = {batch}"
             )
+        # A response spans num_segments steps, and async rollout adds async_steps versions of lag on top:
+        # a cap below that regenerates every long response again and again.
+        lag = ro.num_segments - 1 + self.trainer.async_steps
+        if ro.max_staleness is not None and ro.max_staleness < lag:
+            raise ConfigError(
+                f"rollout.max_staleness={ro.max_staleness} < {lag}: a {ro.max_response_tokens}-token response takes "
+                f"{ro.num_segments} segment(s) of {ro.segment_budget} tokens (one per step) and rollout runs "
+                f"trainer.async_steps={self.trainer.async_steps} step(s) ahead, so its first tokens are {lag} versions "
+                f"old when it is trained; raise rollout.max_staleness, rollout.segment_tokens or lower trainer.async_steps")
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bapo.eval import EvalConfig, HttpSampler, pass_at_k, pass_k_values, read_records, run_evaluation
+from megatron_bapo.eval import ClientSampler, EvalConfig, pass_at_k, pass_k_values, read_records, run_evaluation
+from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
 from megatron_bapo.eval.runner import evaluate_checkpoint
 from dist_harness import free_port
 from megatron_bapo.rewards import load_reward_fn
@@ -192,11 +193,8 @@ def test_run_evaluation_metrics_equal_records(model_dir, server_url, eval_data, 
     config = EvalConfig(datasets=[{"name": "tiny", "path": str(eval_data)}], n=4, temperature=1.0, top_p=1.0,
                         max_new_tokens=12, reward=digit_reward, every_n_steps=1)
 
-    async def main():
-        async with HttpSampler([server_url]) as sampler:
-            return await run_evaluation(sampler, tokenizer, config, output_dir=tmp_path / "out", step=3)
-
-    metrics = asyncio.run(main())
+    with RolloutClient(RolloutClientConfig(urls=[server_url])) as client:  # the trainer's own client
+        metrics = client.run(run_evaluation(client, tokenizer, config, output_dir=tmp_path / "out", step=3))
     records = read_records(tmp_path / "out" / "tiny.step3.jsonl")
     assert metrics["eval/tiny/num_rows_skipped"] == 1
     assert metrics["eval/tiny/num_samples"] == 12
@@ -236,11 +234,8 @@ def test_sampler_fails_over_from_a_dead_server(model_dir, server_url, eval_data,
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     config = EvalConfig(datasets=[{"name": "tiny", "path": str(eval_data)}], n=2, max_new_tokens=4, reward=digit_reward)
 
-    async def main():
-        async with HttpSampler([dead, server_url], backoff_s=0.01) as sampler:
-            return await run_evaluation(sampler, tokenizer, config)
-
-    metrics = asyncio.run(main())
+    with RolloutClient(RolloutClientConfig(urls=[dead, server_url], backoff_s=0.01)) as client:
+        metrics = client.run(run_evaluation(client, tokenizer, config))
     assert metrics["eval/tiny/num_samples"] == 6
 
 
@@ -253,9 +248,7 @@ def test_evaluate_checkpoint_starts_builtin_server(model_dir, eval_data, tmp_pat
 
 
 def test_rejected_request_is_an_error_sample_not_a_crash(server_url):
-    async def main():
-        async with HttpSampler([server_url]) as sampler:
-            return await sampler.generate([], {"max_new_tokens": 4})
-
-    sample = asyncio.run(main())
+    with RolloutClient(RolloutClientConfig(urls=[server_url])) as client:
+        sampler = ClientSampler(client)
+        sample = client.run(sampler.generate([5, 6], {"max_new_tokens": 10_000_000}))  # over the context: 400
     assert sample.finish_reason == "error" and sample.text == "" and "400" in sample.error

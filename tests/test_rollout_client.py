@@ -1,5 +1,5 @@
 """Rollout client and partial-rollout manager over real loopback HTTP against the deterministic
-stand-in server (`megatron_bapo.rollout.fake_server`, separate processes), so every token, log-prob
+stand-in server (`tests/fake_server.py`, separate processes), so every token, log-prob
 and version received can be recomputed and checked exactly."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from megatron_bapo.rollout import (PartialRolloutConfig, PartialRolloutManager, Prompt, RequestRejected,
                                    RolloutClient, RolloutClientConfig, RolloutError, SampleState,
                                    SamplingConfig, build_batch, flatten)
-from megatron_bapo.rollout.fake_server import EOS_ID, ThreadedFakeServer, next_token, token_logprob, weights_seed
+from fake_server import EOS_ID, ThreadedFakeServer, next_token, token_logprob, weights_seed
 from dist_harness import free_port
 
 
@@ -42,7 +42,7 @@ def fake_server_processes(n: int = 1, **flags):
     try:
         for _ in range(n):
             port = free_port()
-            cmd = [sys.executable, "-m", "megatron_bapo.rollout.fake_server", "--port", str(port)]
+            cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "fake_server.py"), "--port", str(port)]
             for k, v in flags.items():
                 cmd += [f"--{k.replace('_', '-')}", str(v)]
             procs.append(subprocess.Popen(cmd))

@@ -171,16 +171,16 @@ def fresh_servers(checkpoints):
 
 
 def test_seeded_requests_sample_the_same_whatever_the_order(fresh_servers, checkpoints, tokenizer):
-    """PartialRolloutConfig.seed: every segment carries its own sampling_seed, so the responses do
+    """PartialRolloutManager(seed=...): every segment carries its own sampling_seed, so the responses do
     not depend on which requests share a server batch or reach it first (nor on a restart)."""
     urls = [h.url for h in fresh_servers]
 
     def run(seed, prompts):
         cfg = PartialRolloutConfig(group_size=3, max_response_tokens=8, segment_tokens=4, max_staleness=None,
-                                   sampling=SamplingConfig(temperature=1.0), seed=seed)
+                                   sampling=SamplingConfig(temperature=1.0))
         with RolloutClient(RolloutClientConfig(urls=urls, max_concurrency=4)) as client:
             client.update_weights_from_disk(checkpoints[0], 0)
-            manager, out = PartialRolloutManager(client, cfg), {}
+            manager, out = PartialRolloutManager(client, cfg, seed=seed), {}
             for step in range(4):
                 for g in manager.step(prompts if step == 0 else [], 0):
                     out[g.prompt.index] = [s.response_ids for s in g.samples]

@@ -12,7 +12,7 @@ def test_yaml_overrides_and_preset(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("bapo_preset: bapo-verl\nactor:\n  optim:\n    lr: 2e-6\n  bapo:\n    rho0: 0.6\n"
                     "rollout:\n  group_size: 4\n  prompts_per_step: 2\n")
-    cfg = load_run_config(path, BASE + ["rollout.segment_tokens=16", "rollout.max_response_tokens=64"])
+    cfg = load_run_config(path, BASE + ["rollout.segment_tokens=16", "rollout.max_response_tokens=48"])
     assert cfg.actor.optim.lr == 2e-6
     assert cfg.actor.bapo.order == "verl" and cfg.actor.bapo.low_max == 0.95  # from the preset
     assert cfg.actor.bapo.rho0 == 0.6  # explicit key wins over the preset
@@ -28,10 +28,13 @@ def test_yaml_overrides_and_preset(tmp_path):
     [
         ("rollout.grup_size=3", "rollout.grup_size"),
         ("actor.bapo.low_start=0.95", "low_start"),
-        ("rollout.temperature=0", "rollout.temperature"),
-        ("rollout.top_p=0.95", "rollout.top_p"),
-        ("rollout.top_k=50", "rollout.top_k"),
-        ("rollout.segment_tokens=100", "rollout.max_staleness"),  # 1024 tokens: 11 segments > 4 + 1
+        ("rollout.sampling.temperature=0", "rollout.sampling.temperature"),
+        ("rollout.sampling.top_p=0.95", "rollout.sampling.top_p"),
+        ("rollout.sampling.top_k=50", "rollout.sampling.top_k"),
+        ("rollout.segment_tokens=100", "rollout.max_staleness"),  # 1024 tokens: 11 segments > 2 + 1
+        ("trainer.async_steps=3", "trainer.async_steps"),  # 3 versions ahead > max_staleness 2
+        ("sync.pause_mode=now", "sync.pause_mode"),
+        ("rollout.temperature=0.6", "rollout.temperature"),  # moved: rollout.sampling.temperature
         ("bapo_preset=ppo", "bapo_preset"),
         ("actor.n_minibatches=3", "actor.n_minibatches"),
         ("sync.method=nccl", "sync.method"),

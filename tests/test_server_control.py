@@ -350,3 +350,41 @@ def test_arbitrary_control_bodies_get_200_or_400_never_500(server):
     check()
     assert http(url + "/continue_generation", {})[0] == 200
     assert http(url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})[0] == 200
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_update_under_pause_labels_each_token_with_the_weights_that_produced_it(server, tiny_hf_dir, other_ckpt, mode):
+    """A request running across a weight update (pause in `mode`, update, continue: the asynchronous
+    trainer's in-flight sync): `weight_versions` spans (SGLang 0.5.23's format) say which version
+    produced each token, the client turns them into per-token versions, and each token's log-prob is
+    the one its version computed (after a retract the new weights re-prefill the whole prefix)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_bapo.rollout.protocol import parse_generate_reply
+    from server_helpers import ref_logprobs
+
+    url, prompt, num = server.url, [7, 8, 9], 800
+    assert http(url + "/update_weights_from_disk", {"model_path": str(tiny_hf_dir), "weight_version": "10"})[0] == 200
+    fut = bg(url + "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": num, "temperature": 0, "ignore_eos": True}})
+    wait_running(url, 1)
+    assert http(url + "/pause_generation", {"mode": mode})[0] == 200
+    status, reply = http(url + "/update_weights_from_disk", {"model_path": str(other_ckpt), "weight_version": "11"})
+    assert status == 200, reply
+    assert http(url + "/continue_generation", {})[0] == 200
+    status, out = fut.result(timeout=120)
+    assert status == 200
+    spans = out["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["10", "11"], spans
+    k = spans[0]["end"]
+    assert spans[0]["start"] == 0 and spans[1]["start"] == k and spans[1]["end"] == num and 0 < k < num
+    result = parse_generate_reply(out, rid="r", url=url)
+    assert result.versions == [10] * k + [11] * (num - k)
+    ids, lps = out["output_ids"], [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+    old = ref_logprobs(AutoModelForCausalLM.from_pretrained(tiny_hf_dir).eval(), prompt, ids)
+    new = ref_logprobs(AutoModelForCausalLM.from_pretrained(other_ckpt).eval(), prompt, ids)
+    assert lps[:k] == pytest.approx(old[:k], abs=1e-4)
+    if mode == "retract":
+        assert lps[k:] == pytest.approx(new[k:], abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(lps[k:], old[k:])) > 1e-2  # the new weights really produced them
+    assert http(url + "/update_weights_from_disk", {"model_path": str(tiny_hf_dir), "weight_version": "v1"})[0] == 200

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_bapo.server.distributed import (
+from megatron_bapo.weight_update import (
     broadcast_weights,
     destroy_weights_update_group,
     init_weights_update_group,
@@ -109,15 +109,15 @@ def test_sender_syncs_two_servers_in_one_group(server, tiny_hf_dir, tmp_path):
     both then serve the new weights' log-probs."""
     from transformers import AutoModelForCausalLM
 
+    from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
     from megatron_bapo.sync import DistributedWeightSender
     from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
 
     new = AutoModelForCausalLM.from_pretrained(make_tiny_hf_checkpoint(tmp_path / "new", seed=5),
                                                dtype=torch.float32).eval()
     params = [(n, p.detach()) for n, p in new.named_parameters()]
-    with start_server(tiny_hf_dir) as second:
-        sender = DistributedWeightSender([server.url, second.url], backend="gloo", group_name="two_servers",
-                                         timeout_s=120)
+    with start_server(tiny_hf_dir) as second, RolloutClient(RolloutClientConfig(urls=[server.url, second.url])) as client:
+        sender = DistributedWeightSender(client, backend="gloo", group_name="two_servers", timeout_s=120)
         sender.connect()
         try:
             assert sender.send([params[:5], params[5:]], weight_version="s1") == len(params)

@@ -44,8 +44,8 @@ def test_32b_dry_run_prints_every_step_in_order():
     a = actor[0]
     assert "--nodes=2" in a and "--nodelist=node001,node002" in a and "torchrun" in a
     assert "--nnodes=2" in a and "--nproc-per-node=8" in a and "--master-addr=node001" in a
-    assert "rollout.server_urls=[http://node003:30000,http://node003:30001,http://node004:30000,http://node004:30001]" in a
-    assert "rollout.router_url=http://node003:29000" in a and "sync.method=distributed" in a
+    assert "rollout.client.urls=[http://node003:30000,http://node003:30001,http://node004:30000,http://node004:30001]" in a
+    assert "rollout.client.router_url=http://node003:29000" in a and "sync.method=distributed" in a
     assert "sync.master_address=node001" in a and a.endswith("trainer.total_steps=3")
     order = [lines.index(servers[0]), lines.index(router[0]), lines.index(waits[0]), lines.index(a)]
     assert order == sorted(order)  # servers, router, health checks, then the actor
@@ -88,7 +88,7 @@ def test_32b_config_is_a_valid_run_config_with_the_paper_hyperparameters():
     b = cfg.actor.bapo
     assert (b.rho0, b.low_start, b.low_max, b.high_start, b.high_max, b.high_step, b.low_step) == (
         0.4, 0.6, 0.9, 1.2, 3.0, 0.05, 0.02)
-    assert cfg.actor.optim.lr == 2e-6 and cfg.rollout.temperature == 0.6
+    assert cfg.actor.optim.lr == 2e-6 and cfg.rollout.sampling.temperature == 0.6
     assert cfg.rollout.max_response_tokens == 65536 and cfg.rollout.segment_tokens < 65536
     assert cfg.sync.method == "distributed"
 

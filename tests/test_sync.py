@@ -44,6 +44,7 @@ def _train_side(rank, world_size, hf_dir, url, method, sync_port, tmp):
     from megatron_bapo.config import SyncConfig
     from megatron_bapo.convert import load_hf_into_model
     from megatron_bapo.models.parallel import ParallelConfig
+    from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
     from megatron_bapo.sync import DiskWeightSync, DistributedWeightSync
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -58,15 +59,18 @@ def _train_side(rank, world_size, hf_dir, url, method, sync_port, tmp):
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     cfg = SyncConfig(method=method, backend=backend, master_address="127.0.0.1", master_port=sync_port,
                      bucket_bytes=64 * 1024)  # small buckets: several update calls per sync
+    client = RolloutClient(RolloutClientConfig(urls=[url])) if rank == 0 else None  # rank 0 talks to the servers
     if method == "distributed":
-        sync = DistributedWeightSync(cfg, actor, hf_config, server_urls=[url])
+        sync = DistributedWeightSync(cfg, actor, hf_config, client)
         sent = sync.sync(5)
         sync.sync(6)  # a second sync reuses the group
     else:
-        sync = DiskWeightSync(cfg, actor, hf_config, tmp, server_urls=[url], tokenizer_src=hf_dir)
+        sync = DiskWeightSync(cfg, actor, hf_config, tmp, client, tokenizer_src=hf_dir)
         sync.sync(5)
         sent = sync.sync(6)
     sync.close()
+    if client is not None:
+        client.close()
     return {"lp": lp, "sent": sent}
 
 

@@ -55,7 +55,7 @@ def _config(assets, out: Path, **trainer) -> Path:
         "data": {"path": str(root / "train.jsonl"), "apply_chat_template": False, "max_prompt_tokens": 32},
         "trainer": {"output_dir": str(out), "total_steps": 3, "save_every": 2, "progress": False, **trainer},
         "rollout": {"group_size": 4, "prompts_per_step": 3, "max_response_tokens": 6, "segment_tokens": 3,
-                    "max_staleness": 2, "startup_timeout_s": 180},
+                    "max_staleness": 2, "client": {"health_timeout_s": 180}},
         "reward": {"fn": "parity_reward_mod:parity_reward", "num_workers": 0},
         "actor": {"optim": {"lr": 1e-3}, "n_minibatches": 2, "max_tokens_per_microbatch": 256,
                   "vocab_divisible_by": 64},

@@ -8,13 +8,13 @@ from megatron_bapo.eval.config import EvalConfig, EvalDatasetConfig
 from megatron_bapo.eval.core import EvalProblem, Sample, evaluate_records, load_problems, read_records, write_records
 from megatron_bapo.eval.metrics import majority_vote, pass_at_k, pass_k_values
 from megatron_bapo.eval.runner import evaluate_checkpoint, prompt_to_ids, run_evaluation
-from megatron_bapo.eval.sampling import HttpSampler, sample_all
+from megatron_bapo.eval.sampling import ClientSampler, sample_all
 
 __all__ = [
     "EvalConfig",
     "EvalDatasetConfig",
     "EvalProblem",
-    "HttpSampler",
+    "ClientSampler",
     "Sample",
     "evaluate_checkpoint",
     "evaluate_records",

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from megatron_bapo.eval.config import EvalConfig, EvalDatasetConfig
 from megatron_bapo.eval.core import EvalProblem, Prompt, evaluate_records, load_problems, write_records
-from megatron_bapo.eval.sampling import HttpSampler, Sampler, SamplingError, sample_all
+from megatron_bapo.eval.sampling import ClientSampler, Sampler, SamplingError, sample_all
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,10 @@ def prompt_to_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
 
 
 def as_sampler(client: Any) -> Sampler:
-    """Anything with `async generate(input_ids, sampling_params) -> Sample` is used as is."""
+    """A `RolloutClient` through `ClientSampler`; anything with `async generate(input_ids,
+    sampling_params) -> Sample` as is."""
+    if hasattr(client, "agenerate"):
+        return ClientSampler(client)
     if hasattr(client, "generate") and asyncio.iscoroutinefunction(client.generate):
         return client
     raise TypeError(f"{type(client).__name__} has no `async generate(input_ids, sampling_params)`; wrap it")
@@ -81,7 +84,8 @@ async def run_evaluation(
 ) -> dict[str, float]:
     """Evaluate every dataset of `eval_config`; metrics as `eval/<dataset>/<metric>`.
 
-    `client` samples (`HttpSampler` or any object with `async generate(input_ids, sampling_params)`).
+    `client` samples (a `RolloutClient`, or any object with `async generate(input_ids, sampling_params)`);
+    run it on the client's event loop (`client.run(run_evaluation(client, ...))`).
     With `output_dir`, per-problem records go to `<output_dir>/<dataset>[.step<step>].jsonl`.
     Rows without prompt/answer are counted in `eval/<dataset>/num_rows_skipped`.
     """
@@ -146,14 +150,12 @@ def evaluate_checkpoint(
 
     if not config.datasets:
         raise ValueError("evaluate_checkpoint: config.datasets is empty; give at least one data file")
+    from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
+
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     with _servers(str(model_path), server_urls, dict(server_kwargs or {})) as urls:
-
-        async def main() -> dict[str, float]:
-            async with HttpSampler(urls) as sampler:
-                return await run_evaluation(sampler, tokenizer, config, output_dir=output_dir)
-
-        metrics = asyncio.run(main())
+        with RolloutClient(RolloutClientConfig(urls=list(urls), max_concurrency=config.concurrency)) as client:
+            metrics = client.run(run_evaluation(client, tokenizer, config, output_dir=output_dir))
     if output_dir is not None:
         summary = {"model_path": str(model_path), "server_urls": list(server_urls) or "built-in",
                    "config": dataclasses.asdict(config), "metrics": metrics}

@@ -13,12 +13,16 @@ Why this shape:
   `unhealthy_cooldown_s`. A 4xx is the request's own fault and is not retried.
 - The trainer is synchronous: `run(coro)` executes coroutines on one background event loop, and
   every control call has a plain method (`update_weights_from_disk`) next to its coroutine
-  (`aupdate_weights_from_disk`).
+  (`aupdate_weights_from_disk`); `submit(coro)` starts one without waiting (a weight update posted
+  while the calling thread joins the broadcast it announces).
+- This is the project's one client of the servers: rollout, weight sync and evaluation all go
+  through it, with one session per event loop and one retry policy (`_backoff`, control.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import random
 import threading
@@ -50,9 +54,12 @@ class _LoopThread:
         self.thread.start()
 
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
+        return self.submit(coro).result(timeout)
+
+    def submit(self, coro: Awaitable[T]) -> "concurrent.futures.Future[T]":
         if threading.current_thread() is self.thread:
             raise RuntimeError("RolloutClient.run() called from its own event loop; await the coroutine instead")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -68,6 +75,8 @@ class RolloutClient(ControlMixin):
     """
 
     def __init__(self, config: RolloutClientConfig) -> None:
+        if not config.urls and not config.router_url:
+            raise ValueError("RolloutClient needs server URLs (rollout.client.urls) or a router (rollout.client.router_url)")
         self.config = config
         self._per_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple]" = weakref.WeakKeyDictionary()
         self._background: Optional[_LoopThread] = None
@@ -82,9 +91,25 @@ class RolloutClient(ControlMixin):
     # ------------------------------------------------------------------ plumbing
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
         """Run a coroutine on the client's background loop and return its result (sync API)."""
+        return self.submit(coro).result(timeout)
+
+    def submit(self, coro: Awaitable[T]) -> "concurrent.futures.Future[T]":
+        """Start a coroutine on the client's background loop; its Future, without waiting."""
         if self._background is None:
             self._background = _LoopThread()
-        return self._background.run(coro, timeout)
+        return self._background.submit(coro)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The background event loop (started on first use)."""
+        if self._background is None:
+            self._background = _LoopThread()
+        return self._background.loop
+
+    def _backoff(self, attempt: int) -> float:
+        """Delay before retry `attempt` (1-based): exponential from backoff_s, capped, jittered."""
+        delay = min(self.config.backoff_s * 2 ** (attempt - 1), self.config.backoff_max_s)
+        return delay * (0.75 + 0.5 * random.random())
 
     def _session(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         """The session and concurrency semaphore of the running loop (aiohttp objects are per loop)."""
@@ -167,8 +192,7 @@ class RolloutClient(ControlMixin):
                     return aborted_result(uuid.uuid4().hex, last_url or "")
                 if attempt:
                     self.stats["num_retries"] += 1
-                    delay = min(self.config.backoff_s * 2 ** (attempt - 1), self.config.backoff_max_s)
-                    await asyncio.sleep(delay * (0.75 + 0.5 * random.random()))
+                    await asyncio.sleep(self._backoff(attempt))
                 url = self._pick_url(avoid=last_url)
                 last_url = url
                 rid = uuid.uuid4().hex  # fresh per attempt: a retry must not collide with an in-flight id

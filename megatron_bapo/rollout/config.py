@@ -27,7 +27,8 @@ class RolloutClientConfig:
 
     urls: list[str] = field(default_factory=list)
     """Worker URLs (`http://host:port`). `/generate` is balanced over them unless `router_url` is
-    set; control calls (abort, pause, weight updates) always go to each of them."""
+    set; control calls (abort, pause, weight updates) always go to each of them. Empty in a run
+    config: the trainer starts built-in servers and fills this in."""
     router_url: Optional[str] = None
     """An sglang-router: `/generate` goes there. With `urls` empty, workers are listed from the
     router (`GET /workers`, or legacy `/list_workers`) for control calls, which it does not forward."""
@@ -58,8 +59,6 @@ class RolloutClientConfig:
         self.urls = [str(u).rstrip("/") for u in self.urls]
         if self.router_url is not None:
             self.router_url = str(self.router_url).rstrip("/")
-        if not self.urls and not self.router_url:
-            raise ValueError("RolloutClientConfig.urls is empty and router_url is unset: give at least one server URL")
         for u in self.urls + ([self.router_url] if self.router_url else []):
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"RolloutClientConfig.urls: {u!r} must start with http:// or https://")
@@ -138,12 +137,6 @@ class PartialRolloutConfig:
     `max_context_tokens - len(prompt + response so far)` tokens, and a sample with no room left is
     truncated; SGLang would reject the request with a 400 instead. None = do not clip."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    seed: Optional[int] = None
-    """When set, every segment request carries its own `sampling_seed`, derived from (seed, the
-    group's prompt index and start version, the sample's index in the group, the tokens it has so
-    far, its regenerations): the same run samples the same responses whatever order its requests
-    reach the servers in, and a resumed run samples as the uninterrupted one would. None: the
-    servers' own generators."""
 
     def __post_init__(self) -> None:
         if self.max_context_tokens is not None and self.max_context_tokens < 2:
@@ -156,6 +149,11 @@ class PartialRolloutConfig:
             raise ValueError(f"PartialRolloutConfig.segment_tokens must be >= 1 or null, got {self.segment_tokens}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"PartialRolloutConfig.max_staleness must be >= 0 or null, got {self.max_staleness}")
+
+    @property
+    def num_segments(self) -> int:
+        """Segments (steps) a response of max_response_tokens takes."""
+        return -(-self.max_response_tokens // self.segment_budget)
 
     @property
     def segment_budget(self) -> int:

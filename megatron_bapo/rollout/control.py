@@ -2,7 +2,14 @@
 
 The router forwards neither `/abort_request` nor pause/continue nor weight updates (spec section
 15), so with only a router configured the workers are listed from it first. Every call has a
-coroutine (`a*`) and a plain method running it on the client's background loop.
+coroutine (`a*`) and, for the trainer, a plain method running it on the client's background loop.
+
+One retry policy for the whole client (`RolloutClient._backoff`): idempotent calls (health, info,
+abort, flush, pause/continue, weight updates from disk) are retried on connection errors, timeouts
+and 5xx with the same exponential backoff as generation; calls that join or feed a collective
+(`/init_weights_update_group`, `/update_weights_from_distributed`) are sent once, because a retry
+cannot rejoin a half-done rendezvous or broadcast. A 4xx, or a 200 with `"success": false`, is the
+call's own failure and is never retried.
 """
 
 from __future__ import annotations
@@ -20,38 +27,70 @@ from megatron_bapo.rollout.protocol import parse_version
 
 logger = logging.getLogger(__name__)
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+
 
 class ControlMixin:
-    """Needs `config`, `_session()`, `run()`, `_abort_epoch`, `_rid_url`, `_workers` (RolloutClient)."""
+    """Needs `config`, `_session()`, `run()`, `_backoff()`, `_abort_epoch`, `_rid_url`, `_workers`."""
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ one request, one policy
     async def _request(self, method: str, url: str, path: str, body: Optional[dict] = None,
-                       timeout: Optional[float] = None) -> tuple[int, str]:
+                       timeout: Optional[float] = None, *, retry: bool = True) -> tuple[int, str]:
+        """(status, text) of one control request; transport failures and 5xx retried when `retry`."""
         session, _ = self._session()
         t = aiohttp.ClientTimeout(total=timeout or self.config.control_timeout_s, sock_connect=self.config.connect_timeout_s)
-        async with session.request(method, f"{url}{path}", json=body, timeout=t) as resp:
-            return resp.status, await resp.text()
+        attempts = self.config.max_retries + 1 if retry else 1
+        last: Any = None
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self._backoff(attempt))
+            try:
+                async with session.request(method, f"{url}{path}", json=body, timeout=t) as resp:
+                    status, text = resp.status, await resp.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                last = exc
+                continue
+            if status < 500:
+                return status, text
+            last = f"HTTP {status}: {text[:200]}"
+        if isinstance(last, BaseException):
+            raise RolloutError(f"{url}{path} failed after {attempts} attempt(s): {last!r}") from last
+        raise RolloutError(f"{url}{path} failed after {attempts} attempt(s): {last}")
+
+    async def _expect_success(self, url: str, path: str, body: Optional[dict] = None, *, retry: bool = True,
+                              timeout: Optional[float] = None) -> dict:
+        """POST; the JSON reply, or RolloutError naming the worker unless it is 200 without
+        `"success": false` (SGLang's success convention for control calls)."""
+        status, text = await self._request("POST", url, path, body, timeout, retry=retry)
+        try:
+            reply = json.loads(text) if text else {}
+        except ValueError:
+            reply = {"message": text}
+        if status != 200 or (isinstance(reply, dict) and reply.get("success", True) is False):
+            message = reply.get("message", text) if isinstance(reply, dict) else text
+            raise RolloutError(f"{url}{path} failed ({status}): {str(message)[:300]}")
+        return reply if isinstance(reply, dict) else {"reply": reply}
 
     async def aworker_urls(self) -> list[str]:
         """Worker URLs for control calls: `urls`, or the router's worker list."""
         if self._workers:
             return list(self._workers)
         router = self.config.router_url
-        session, _ = self._session()
         for path in ("/workers", "/list_workers"):
             try:
-                async with session.get(f"{router}{path}", timeout=aiohttp.ClientTimeout(total=30)) as resp:
-                    if resp.status != 200:
-                        continue
-                    data = await resp.json(content_type=None)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                status, text = await self._request("GET", router, path, None, 30)
+                data = json.loads(text) if status == 200 else {}
+            except (RolloutError, ValueError):
                 continue
             urls = [w["url"] for w in data.get("workers", [])] if "workers" in data else list(data.get("urls", []))
             if urls:
                 self._workers = [u.rstrip("/") for u in urls]
                 return list(self._workers)
         raise RolloutError(f"could not list workers from router {router} (GET /workers and /list_workers); "
-                           "set RolloutClientConfig.urls to the worker URLs")
+                           "set the worker URLs (rollout.client.urls)")
+
+    def worker_urls(self) -> list[str]:
+        return self.run(self.aworker_urls())
 
     async def _each(self, coro_fn, *, skip_unhealthy: bool = False) -> dict[str, Any]:
         urls = await self.aworker_urls()
@@ -60,6 +99,11 @@ class ControlMixin:
             urls = [u for u in urls if u in healthy]
         results = await asyncio.gather(*(coro_fn(u) for u in urls), return_exceptions=True)
         return dict(zip(urls, results))
+
+    async def _each_or_raise(self, what: str, coro_fn) -> dict[str, Any]:
+        out = await self._each(coro_fn)
+        _raise_failures(what, out)
+        return out
 
     # ------------------------------------------------------------------ abort
     async def aabort_all(self) -> None:
@@ -94,17 +138,14 @@ class ControlMixin:
         async def one(url: str) -> None:
             deadline = time.monotonic() + self.config.flush_cache_timeout_s
             while True:
-                try:
-                    status, text = await self._request("POST", url, "/flush_cache", None, 30)
-                    if status == 200:
-                        return
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    text = repr(exc)
+                status, text = await self._request("POST", url, "/flush_cache", None, 30)
+                if status == 200:
+                    return
                 if time.monotonic() > deadline:
                     raise RolloutError(f"{url}/flush_cache did not succeed within "
                                        f"{self.config.flush_cache_timeout_s} s: {text[:200]}")
                 await asyncio.sleep(1.0)
-        _raise_failures("flush_cache", await self._each(one))
+        await self._each_or_raise("flush_cache", one)
 
     def flush_cache(self) -> None:
         self.run(self.aflush_cache())
@@ -118,21 +159,36 @@ class ControlMixin:
         """
         body = {"model_path": str(model_path), "weight_version": str(int(weight_version)),
                 "abort_all_requests": abort_all_requests}
-
-        async def one(url: str) -> None:
-            status, text = await self._request("POST", url, "/update_weights_from_disk", body)
-            ok = False
-            if status == 200:
-                try:
-                    ok = bool(json.loads(text).get("success", False))
-                except ValueError:
-                    ok = False
-            if not ok:
-                raise RolloutError(f"{url}/update_weights_from_disk({model_path!r}) failed ({status}): {text[:300]}")
-        _raise_failures("update_weights_from_disk", await self._each(one))
+        await self._each_or_raise("update_weights_from_disk",
+                                  lambda u: self._expect_success(u, "/update_weights_from_disk", body))
 
     def update_weights_from_disk(self, model_path: str, weight_version: int, *, abort_all_requests: bool = False) -> None:
         self.run(self.aupdate_weights_from_disk(model_path, weight_version, abort_all_requests=abort_all_requests))
+
+    async def aget_server_info(self) -> dict[str, dict]:
+        """`/get_server_info` of every worker (e.g. its `tp_size` for the distributed weight group)."""
+        async def one(url: str) -> dict:
+            status, text = await self._request("GET", url, "/get_server_info", None, 30)
+            if status != 200:
+                raise RolloutError(f"{url}/get_server_info returned {status}: {text[:200]}")
+            return json.loads(text)
+        return await self._each_or_raise("get_server_info", one)
+
+    async def ainit_weights_update_group(self, bodies: dict[str, dict]) -> None:
+        """`/init_weights_update_group` to each worker with its own body (its `rank_offset`); each call
+        returns only when the rendezvous completes, so the caller joins the group meanwhile."""
+        await self._each_or_raise("init_weights_update_group", lambda u: self._expect_success(
+            u, "/init_weights_update_group", bodies[u], retry=False))
+
+    async def aupdate_weights_from_distributed(self, body: dict) -> None:
+        """`/update_weights_from_distributed` to every worker; each returns once it received the
+        bucket, which the caller broadcasts meanwhile."""
+        await self._each_or_raise("update_weights_from_distributed", lambda u: self._expect_success(
+            u, "/update_weights_from_distributed", body, retry=False))
+
+    async def adestroy_weights_update_group(self, group_name: str) -> None:
+        await self._each_or_raise("destroy_weights_update_group", lambda u: self._expect_success(
+            u, "/destroy_weights_update_group", {"group_name": group_name}, timeout=60))
 
     async def aget_weight_versions(self) -> dict[str, str]:
         """`weight_version` of each worker (strings, as on the wire) from `/get_model_info`."""
@@ -141,9 +197,7 @@ class ControlMixin:
             if status != 200:
                 raise RolloutError(f"{url}/get_model_info returned {status}: {text[:200]}")
             return str(json.loads(text).get("weight_version"))
-        out = await self._each(one)
-        _raise_failures("get_model_info", out)
-        return out
+        return await self._each_or_raise("get_model_info", one)
 
     def get_weight_version(self) -> Optional[int]:
         """The workers' common weight version as an int (None for "default"); raises if they differ."""
@@ -156,22 +210,19 @@ class ControlMixin:
     # ------------------------------------------------------------------ pause, health
     async def apause_generation(self, mode: Optional[str] = None) -> None:
         """`/pause_generation` on every worker (`mode` "abort"/"retract"/"in_place" on SGLang >= 0.5.15)."""
+        if mode is not None and mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES} or None, got {mode!r}")
         body = {} if mode is None else {"mode": mode}
-        _raise_failures("pause_generation", await self._each(lambda u: self._expect_200(u, "/pause_generation", body)))
+        await self._each_or_raise("pause_generation", lambda u: self._expect_success(u, "/pause_generation", body))
 
     def pause_generation(self, mode: Optional[str] = None) -> None:
         self.run(self.apause_generation(mode))
 
     async def acontinue_generation(self) -> None:
-        _raise_failures("continue_generation", await self._each(lambda u: self._expect_200(u, "/continue_generation", {})))
+        await self._each_or_raise("continue_generation", lambda u: self._expect_success(u, "/continue_generation", {}))
 
     def continue_generation(self) -> None:
         self.run(self.acontinue_generation())
-
-    async def _expect_200(self, url: str, path: str, body: dict) -> None:
-        status, text = await self._request("POST", url, path, body)
-        if status != 200:
-            raise RolloutError(f"{url}{path} returned {status}: {text[:200]}")
 
     async def await_healthy(self, timeout_s: Optional[float] = None) -> None:
         """Poll `/health_generate` on every worker (and `/health` on the router) until 200."""
@@ -182,14 +233,14 @@ class ControlMixin:
             last = ""
             while time.monotonic() < deadline:
                 try:
-                    status, last = await self._request("GET", url, path, None, 30)
+                    status, last = await self._request("GET", url, path, None, 30, retry=False)
                     if status == 200:
                         if url in self._unhealthy_until:
                             self._unhealthy_until[url] = 0.0
                         return
                     last = f"{status} {last[:100]}"
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                    last = repr(exc)
+                except RolloutError as exc:
+                    last = str(exc)
                 await asyncio.sleep(0.5)
             raise RolloutError(f"{url}{path} not healthy after {timeout_s} s: {last}")
         tasks = [one(u, "/health_generate") for u in self.config.urls]

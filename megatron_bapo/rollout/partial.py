@@ -42,9 +42,15 @@ _COUNTERS = ("num_groups_started", "num_groups_finished", "num_groups_failed", "
 class PartialRolloutManager:
     """Owns the partial-rollout buffer; the trainer calls `step` once per RL step."""
 
-    def __init__(self, client: RolloutClient, config: PartialRolloutConfig) -> None:
+    def __init__(self, client: RolloutClient, config: PartialRolloutConfig, *, seed: Optional[int] = None) -> None:
+        """`seed`: when set, every segment request carries its own `sampling_seed`, derived from
+        (seed, the group's prompt index and start version, the sample's index in the group, the
+        tokens it has so far, its regenerations), so a run samples the same responses whatever
+        order its requests reach the servers in, and a resumed run samples as the uninterrupted one
+        would. None: the servers' own generators."""
         self.client = client
         self.config = config
+        self.seed = seed
         self.buffer: list[RolloutGroup] = []
         self.totals: dict[str, int] = {k: 0 for k in _COUNTERS}
         self.last_metrics: dict[str, float] = {}
@@ -131,10 +137,10 @@ class PartialRolloutManager:
         return budget
 
     def _request_seed(self, group: RolloutGroup, index: int, s: Sample) -> Optional[int]:
-        """The segment's `sampling_seed` (PartialRolloutConfig.seed), or None for the server's generator."""
-        if self.config.seed is None:
+        """The segment's `sampling_seed`, or None for the server's generator (see __init__)."""
+        if self.seed is None:
             return None
-        key = f"{self.config.seed}:{group.prompt.index}:{group.start_version}:{index}:{len(s.response_ids)}:{s.num_regenerations}"
+        key = f"{self.seed}:{group.prompt.index}:{group.start_version}:{index}:{len(s.response_ids)}:{s.num_regenerations}"
         return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
     async def _segment(self, s: Sample, seed: Optional[int] = None) -> GenerateResult:

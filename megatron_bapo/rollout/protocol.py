@@ -60,8 +60,10 @@ def parse_generate_reply(body: Any, *, rid: str, url: str) -> GenerateResult:
                                 "(was return_logprob dropped on the way?)")
         raise ProtocolError(f"{url}/generate: output_ids {list(output_ids)[:8]}... disagree with "
                             f"output_token_logprobs ids {ids[:8]}...")
+    text = body.get("text")
     return GenerateResult(output_ids=ids, logprobs=logprobs, versions=_versions(meta, len(ids)),
-                          finish_type=finish["type"], finish_reason=dict(finish), rid=rid, url=url)
+                          finish_type=finish["type"], finish_reason=dict(finish), rid=rid, url=url,
+                          text=text if isinstance(text, str) else "")
 
 
 def _versions(meta: dict, n: int) -> list[Optional[int]]:

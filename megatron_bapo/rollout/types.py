@@ -145,3 +145,5 @@ class GenerateResult:
     rid: str
     url: str
     error: Optional[str] = None
+    text: str = ""
+    """The server's decoded output (for evaluation; training uses the ids)."""

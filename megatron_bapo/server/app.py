@@ -270,9 +270,11 @@ def build_state(config: ServerConfig) -> ServerState:
     engine = Engine(model, tokenizer, eos_ids=eos_token_ids(model, tokenizer), max_running=config.max_running_requests,
                     seed=config.random_seed, original_logprob=config.return_original_logprob,
                     max_total_tokens=config.max_total_tokens)
-    return ServerState(config=config, engine=engine, tokenizer=tokenizer, model_path=config.model_path,
-                       weight_version=config.weight_version, context_length=ctx,
-                       vocab_size=int(model.get_input_embeddings().weight.shape[0]))
+    state = ServerState(config=config, engine=engine, tokenizer=tokenizer, model_path=config.model_path,
+                        weight_version=config.weight_version, context_length=ctx,
+                        vocab_size=int(model.get_input_embeddings().weight.shape[0]))
+    engine.version_label = lambda: state.weight_version  # per-token versions (`weight_versions` spans)
+    return state
 
 
 async def serve(config: ServerConfig) -> None:

@@ -128,11 +128,12 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
                                           "message": f"Failed to get weights iterator: {exc}. "
                                                      "Rolled back to the previous weights."}, status=400)
             def swap() -> None:  # one unit in a thread: a client disconnect cannot split it
-                state.engine.swap_model(model)
-                state.model_path = path
-                state.vocab_size = int(model.get_input_embeddings().weight.shape[0])
-                if version is not None:
-                    state.weight_version = version
+                with state.engine.step_lock:  # no token between the new weights and their version
+                    state.engine.swap_model(model)
+                    state.model_path = path
+                    state.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+                    if version is not None:
+                        state.weight_version = version
 
             await asyncio.shield(asyncio.to_thread(swap))
             message = "Succeeded to update model weights."

@@ -3,9 +3,9 @@
 
 The server joins a torch process group of its own (never the default group) at
 `tcp://master_address:master_port` as rank `rank_offset` (one TP rank here); the trainer is rank 0
-and hosts the store. `init_weights_update_group` below is the same construction SGLang and slime use
-(rendezvous store, prefix `group_name`, `_new_process_group_helper`), so a trainer calling it (or
-slime's copy) interoperates; on CPU the backend is `gloo`, on GPU `nccl`.
+and hosts the store. The group construction and the tensor order are `megatron_bapo.weight_update`,
+the module both sides import (the trainer never imports this server application); on CPU the
+backend is `gloo`, on GPU `nccl`.
 
 An update receives every tensor first (`broadcast(src=0)` in list order, exactly what the trainer
 sends), then checks names/shapes, then copies them into the served model under the engine's step
@@ -16,107 +16,24 @@ and without leaving the trainer blocked in a half-finished broadcast sequence.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from aiohttp import web
 
 from megatron_bapo.server.app import STATE_KEY, read_json, read_object
 from megatron_bapo.server.protocol import RequestError
 from megatron_bapo.server.weights import check_named_tensors, load_named_tensors
+from megatron_bapo.weight_update import (
+    DEFAULT_GROUP,
+    destroy_weights_update_group,
+    init_weights_update_group,
+    receive_tensors,
+    torch_dtype,
+)
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_GROUP = "weight_update_group"
-
-
-def init_weights_update_group(
-    backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-    group_name: str = DEFAULT_GROUP, timeout_s: float = 600.0,
-):
-    """Create (and rendezvous) a standalone process group; blocks until all `world_size` ranks join.
-
-    Used by both sides: the trainer as rank 0 (it hosts the store), each server as
-    `rank_offset + tp_rank`. The store is built directly, not through `rendezvous("tcp://...")`:
-    under torchrun that handler connects to the launcher's agent store instead of hosting one
-    (TORCHELASTIC_USE_AGENT_STORE), and rank 0 would wait forever for a store nobody serves.
-    """
-    from torch.distributed import TCPStore
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
-                     wait_for_workers=False)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-def destroy_weights_update_group(pg) -> None:
-    """Forget a group made by `init_weights_update_group` (works without a default group)."""
-    from torch.distributed.distributed_c10d import _world
-
-    _world.pg_group_ranks.pop(pg, None)
-    try:
-        pg.shutdown()
-    except Exception:  # noqa: BLE001 - best effort; the group is unusable either way
-        pass
-
-
-def update_request_body(named: list, *, group_name: str = DEFAULT_GROUP, weight_version: Optional[str] = None,
-                        flattened: bool = False) -> dict:
-    """Trainer side: the `/update_weights_from_distributed` JSON for `named` = [(hf_name, tensor)]."""
-    body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in named],
-            "shapes": [list(t.shape) for _, t in named], "group_name": group_name, "flush_cache": False,
-            "weight_version": weight_version}
-    if flattened:
-        body["load_format"] = "flattened_bucket"
-    return body
-
-
-def broadcast_weights(pg, named: list, *, flattened: bool = False) -> None:
-    """Trainer side (rank 0): broadcast `named` in list order, matching `receive_tensors` on the servers.
-    Post the update request first (asynchronously), then call this, then await the replies."""
-    if flattened:
-        dtypes = {t.dtype for _, t in named}
-        if len(dtypes) != 1:
-            raise ValueError(f"a flattened bucket needs one dtype, got {sorted(map(str, dtypes))}")
-        dist.broadcast(torch.cat([t.detach().reshape(-1) for _, t in named]), src=0, group=pg)
-        return
-    for _, t in named:
-        dist.broadcast(t.detach().contiguous(), src=0, group=pg)
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dt, torch.dtype):
-        raise RequestError(f"unknown dtype {name!r} (use torch names without 'torch.', e.g. 'bfloat16')")
-    return dt
-
-
-def receive_tensors(pg, names: list, dtypes: list, shapes: list, flattened: bool, device: str = "cpu") -> list:
-    """Receive the broadcasts of rank 0 in list order; returns [(name, tensor)] on `device`
-    ("cuda" for nccl: NCCL only moves GPU memory; the copy into the CPU model happens at load)."""
-    if flattened:
-        numels = [int(torch.Size(s).numel()) for s in shapes]
-        flat = torch.empty(sum(numels), dtype=dtypes[0], device=device)
-        dist.broadcast(flat, src=0, group=pg)
-        out, offset = [], 0
-        for name, shape, numel in zip(names, shapes, numels):
-            out.append((name, flat[offset: offset + numel].view(shape)))
-            offset += numel
-        return out
-    out = []
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(t, src=0, group=pg)
-        out.append((name, t))
-    return out
-
 
 async def init_group(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
@@ -159,7 +76,10 @@ async def update_from_distributed(request: web.Request) -> web.Response:
         raise RequestError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
     pg, backend = state.weight_groups[group_name]
     device = "cuda" if backend == "nccl" else "cpu"
-    torch_dtypes = [_dtype(d) for d in dtypes]
+    try:
+        torch_dtypes = [torch_dtype(d) for d in dtypes]
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
     load_format: Optional[str] = body.get("load_format")
     flattened = load_format == "flattened_bucket"
     if load_format not in (None, "flattened_bucket"):
@@ -177,12 +97,13 @@ async def update_from_distributed(request: web.Request) -> web.Response:
                     named = receive_tensors(pg, names, torch_dtypes, shapes, flattened, device)
                 except Exception as exc:  # noqa: BLE001
                     return f"Failed to receive weights: {exc}. Weights may be partially updated; discard them."
-                try:
-                    _load(state.engine, named)
-                except ValueError as exc:
-                    return f"Failed to update weights: {exc}. The served weights are unchanged."
-                if version is not None:
-                    state.weight_version = str(version)
+                with state.engine.step_lock:  # no token between the new weights and their version
+                    try:
+                        _load(state.engine, named)
+                    except ValueError as exc:
+                        return f"Failed to update weights: {exc}. The served weights are unchanged."
+                    if version is not None:
+                        state.weight_version = str(version)
                 return None
 
             error = await asyncio.shield(asyncio.to_thread(receive_and_load))

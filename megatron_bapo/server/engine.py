@@ -55,6 +55,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="bapo-scheduler", daemon=True)
         self.num_generated_tokens = 0
         self.last_error: Optional[BaseException] = None
+        self.version_label: Callable[[], str] = lambda: "default"
+        """The served weight version, read per generated token (the server state sets it; a swap
+        and its version change happen together under `step_lock`)."""
 
     # ---------------------------------------------------------------- public, thread-safe
     def start(self) -> None:
@@ -327,6 +330,7 @@ class Engine:
 
     def _record(self, req: Req, tok: int, lp: float, lp_row: Optional[torch.Tensor]) -> bool:
         req.output_ids.append(tok)
+        req.output_versions.append(self.version_label())
         self.num_generated_tokens += 1
         if req.item.return_logprob:
             req.output_logprobs.append([lp, tok, None])

@@ -25,6 +25,8 @@ class Req:
     output_ids: list = dataclasses.field(default_factory=list)
     output_logprobs: list = dataclasses.field(default_factory=list)
     output_top: list = dataclasses.field(default_factory=list)
+    output_versions: list = dataclasses.field(default_factory=list)
+    """The weight version that produced each output token (a request may span a weight update)."""
     input_logprobs: list = dataclasses.field(default_factory=list)
     input_top: list = dataclasses.field(default_factory=list)
     finish_reason: Optional[dict] = None

@@ -1,7 +1,9 @@
 """SGLang's `/generate` reply for one finished sequence (spec section 2, "Response").
 
 Built when the HTTP reply is assembled, so `weight_version` is the server's version at reply time,
-as in SGLang.
+as in SGLang; `weight_versions` (SGLang 0.5.23) gives the version that produced each output token
+as `{"version", "start", "end"}` spans (end exclusive), for replies that span a weight update
+under a retract/in-place pause.
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ def output_text(req: Req, tokenizer, upto: Optional[int] = None) -> Optional[str
     return text
 
 
+def version_spans(versions: list, upto: Optional[int] = None) -> list[dict]:
+    """Runs of equal versions over output positions: [{"version", "start", "end"}] (end exclusive)."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions[:upto]):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
+
+
 def build_output(req: Req, *, weight_version: str, tokenizer, upto: Optional[int] = None) -> dict:
     """One sequence's reply object: `text`, `output_ids`, `meta_info`. `upto` (streaming): only the
     first `upto` output tokens, with `finish_reason` null (the request is still running)."""
@@ -53,6 +66,8 @@ def build_output(req: Req, *, weight_version: str, tokenizer, upto: Optional[int
         "weight_version": weight_version,
         "completion_tokens": len(req.output_ids),
     }
+    if req.output_versions:
+        meta["weight_versions"] = version_spans(req.output_versions)
     if not queued_abort:
         meta.update(
             prompt_tokens=len(item.input_ids),
@@ -82,6 +97,7 @@ def build_output(req: Req, *, weight_version: str, tokenizer, upto: Optional[int
 def _partial_output(req: Req, *, weight_version: str, tokenizer, upto: int) -> dict:
     item = req.item
     meta: dict = {"id": req.rid, "finish_reason": None, "weight_version": weight_version,
+                  "weight_versions": version_spans(req.output_versions, upto),
                   "prompt_tokens": len(item.input_ids), "completion_tokens": upto, "cached_tokens": req.cached_tokens,
                   "num_retractions": req.num_retractions, "reasoning_tokens": 0,
                   "e2e_latency": time.monotonic() - req.t_start}

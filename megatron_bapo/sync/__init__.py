@@ -9,12 +9,13 @@ Two transports, one per file:
   tensors is announced with `/update_weights_from_distributed` and broadcast from rank 0. No disk.
   The protocol itself (join, announce + broadcast, leave) is `sender.DistributedWeightSender`.
 Both are collective over all actor ranks (weights are gathered over TP/PP); only global rank 0
-talks HTTP.
+talks HTTP, through the rollout client (the one client of the servers). How an update meets
+requests in flight (`sync.pause_mode`) is `pause.paused`.
 """
 
 from megatron_bapo.sync.disk import DiskWeightSync
 from megatron_bapo.sync.distributed import DistributedWeightSync
-from megatron_bapo.sync.http import WeightSyncError
+from megatron_bapo.sync.pause import PAUSE_MODES, paused
 from megatron_bapo.sync.sender import DistributedWeightSender
 
-__all__ = ["DiskWeightSync", "DistributedWeightSender", "DistributedWeightSync", "WeightSyncError"]
+__all__ = ["PAUSE_MODES", "DiskWeightSync", "DistributedWeightSender", "DistributedWeightSync", "paused"]

@@ -1,11 +1,13 @@
 """A deterministic stand-in for an SGLang server (the native API subset the client uses), no model.
 
+A test double: it lives with the tests (and the client benchmark), not in the library.
+
 For client tests and `benchmarks/bench_client.py`: replies are a pure function of the token prefix
 and the loaded "weights" (a seed derived from `model_path`), so a test can recompute every token,
 log-prob and version it should have received. Tokens come out `token_delay_s` apart, so aborts,
 pauses and killed servers land mid-request.
 
-    python -m megatron_bapo.rollout.fake_server --port 31000 [--token-delay-s 0.01] [--fail-first 2]
+    python tests/fake_server.py --port 31000 [--token-delay-s 0.01] [--fail-first 2]
 
 Model: next token = `next_token(prefix, seed)`; its log-prob = `token_logprob(prefix, token, seed)`;
 EOS id 1 stops unless ignore_eos. Weight updates wait for in-flight requests (SGLang's writer

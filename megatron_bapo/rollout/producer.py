@@ -1,0 +1,181 @@
+"""Rollout rounds produced ahead of training (`trainer.async_steps`), on the rollout client's loop.
+
+A round is one `PartialRolloutManager.astep`: draw the step's new prompts, advance every buffered
+sample by one segment, collect the groups that finished. The producer runs rounds as a task on the
+client's event loop and hands them to the trainer thread in order (`next`):
+
+- pacing: round r may start once the trainer has asked for round r - `ahead`. With `ahead` = 0 a
+  round starts only when the trainer asks for it (the synchronous loop: generate, then train); with
+  `ahead` = k the rounds of steps n+1..n+k run while the actor trains step n.
+- versions: a round passes the newest version the trainer published (`publish`) to the manager,
+  which labels tokens with the servers' reported versions; when a round is handed over, groups
+  holding a token more than `max_staleness` versions behind the trainer's version are reset into
+  the buffer (regenerated, counted), so the cap bounds what is TRAINED, not only what is resumed.
+- checkpoints: `pause()` lets the running round finish and starts no new one; then `state_dict()`
+  holds the finished rounds not yet handed over (prompts, tokens, log-probs, versions) next to the
+  manager's buffer, and nothing is in flight. `resume()` goes on. A restored producer hands the
+  saved rounds over first, so no prompt is lost or drawn twice across a kill and resume.
+- errors: a round that fails (RolloutError: every server failed; its groups stay buffered) stops
+  the producer and the trainer's next `next()` raises it, as the synchronous loop would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from megatron_bapo.rollout.partial import PartialRolloutManager
+from megatron_bapo.rollout.types import Prompt, RolloutGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutRound:
+    """One round: the prompts it drew, the groups that finished in it, its `rollout/*` metrics."""
+
+    prompts: list[Prompt]
+    groups: list[RolloutGroup]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompts": [p.to_dict() for p in self.prompts], "groups": [g.to_dict() for g in self.groups],
+                "metrics": dict(self.metrics)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RolloutRound":
+        return cls(prompts=[Prompt.from_dict(p) for p in d["prompts"]],
+                   groups=[RolloutGroup.from_dict(g) for g in d["groups"]], metrics=dict(d.get("metrics", {})))
+
+
+class RolloutProducer:
+    """Produces rounds on `client`'s event loop; the trainer thread calls `next`, `publish`, `pause`."""
+
+    def __init__(self, client: Any, manager: PartialRolloutManager, draw: Callable[[], Sequence[Prompt]], *,
+                 ahead: int, version: int = 0) -> None:
+        if ahead < 0:
+            raise ValueError(f"RolloutProducer: ahead must be >= 0, got {ahead}")
+        self.client, self.manager, self.draw, self.ahead = client, manager, draw, ahead
+        self.version = version
+        self.ready: list[RolloutRound] = []
+        self.requested = 0
+        """Rounds the trainer has asked for (handed over or being waited for)."""
+        self.produced = 0
+        self._paused = False
+        self._busy = False
+        self._error: Optional[BaseException] = None
+        self._task: Optional[asyncio.Task] = None
+        self._cond = asyncio.Condition()  # binds to the client's loop on first use
+
+    # ------------------------------------------------------------------ the producing task
+    async def _run(self) -> None:
+        cond = self._cond
+        while True:
+            async with cond:
+                await cond.wait_for(lambda: not self._paused and self.produced < self.requested + self.ahead)
+                self._busy = True
+                version = self.version
+            try:
+                prompts = list(self.draw())
+                groups = await self.manager.astep(prompts, version)
+                done = RolloutRound(prompts=prompts, groups=groups, metrics=dict(self.manager.last_metrics))
+            except BaseException as exc:  # noqa: BLE001 - handed to the trainer thread by next()
+                async with cond:
+                    self._error, self._busy = exc, False
+                    cond.notify_all()
+                return
+            async with cond:
+                self.ready.append(done)
+                self.produced += 1
+                self._busy = False
+                cond.notify_all()
+
+    async def _start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    def start(self) -> None:
+        """Start producing (rounds restored by `load_state_dict` are handed over first)."""
+        self.client.run(self._start())
+
+    # ------------------------------------------------------------------ the trainer's side
+    async def _next(self, version: int) -> tuple[RolloutRound, float]:
+        started = time.monotonic()
+        async with self._cond:
+            self.requested += 1
+            self._cond.notify_all()
+            await self._cond.wait_for(lambda: self.ready or self._error is not None)
+            if not self.ready:
+                raise self._error
+            done = self.ready.pop(0)
+        done.groups = self._drop_stale(done.groups, version)
+        return done, time.monotonic() - started
+
+    def next(self, version: int) -> tuple[RolloutRound, float]:
+        """The next round (waiting for it), its stale groups sent back for regeneration, and the
+        seconds the trainer waited. Raises the producer's error if it stopped."""
+        return self.client.run(self._next(version))
+
+    def _drop_stale(self, groups: list[RolloutGroup], version: int) -> list[RolloutGroup]:
+        """Groups too stale to train at `version` go back into the manager's buffer, reset."""
+        cap = self.manager.config.max_staleness
+        if cap is None:
+            return groups
+        keep, stale = [], []
+        for g in groups:
+            oldest = min((v for s in g.samples for v in s.response_versions), default=version)
+            (stale if version - oldest > cap else keep).append(g)
+        for g in stale:
+            for s in g.samples:
+                s.reset()
+                s.num_regenerations += 1
+            self.manager.totals["num_regenerated"] += len(g.samples)
+        self.manager.buffer[:0] = stale  # regenerated first, as the oldest groups
+        if stale:
+            logger.info("%d finished group(s) more than %d versions behind version %d: regenerated", len(stale), cap, version)
+        return keep
+
+    async def _publish(self, version: int) -> None:
+        async with self._cond:
+            self.version = version
+
+    def publish(self, version: int) -> None:
+        """The servers now serve `version`: rounds started from now on use it."""
+        self.client.run(self._publish(version))
+
+    async def _pause(self) -> None:
+        async with self._cond:
+            self._paused = True
+            await self._cond.wait_for(lambda: not self._busy)
+
+    def pause(self) -> None:
+        """Let the running round finish and start no new one (nothing in flight afterwards)."""
+        self.client.run(self._pause())
+
+    async def _resume(self) -> None:
+        async with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        self.client.run(self._resume())
+
+    def stop(self) -> None:
+        """Cancel the producing task (in-flight requests are aborted by the caller)."""
+        if self._task is not None:
+            self.client.loop.call_soon_threadsafe(self._task.cancel)
+            self._task = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe: finished rounds not handed over yet (call while paused; the buffer is the manager's)."""
+        if self._busy:
+            raise RuntimeError("RolloutProducer.state_dict while a round runs; pause() first")
+        return {"ready": [r.to_dict() for r in self.ready]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Before `start()`: the saved rounds are handed over first, in order."""
+        self.ready = [RolloutRound.from_dict(r) for r in state.get("ready", [])]
+        self.produced = len(self.ready)

@@ -1,0 +1,105 @@
+"""The distributed weight-update protocol (SGLang native API section 10), shared by both sides.
+
+The trainer (`megatron_bapo.sync`) and the built-in server (`megatron_bapo.server.distributed`)
+import this module and nothing of each other: the group construction (a TCP store hosted by the
+trainer, prefixed by the group name, SGLang's and slime's construction, so real SGLang servers
+interoperate), the `/update_weights_from_distributed` body, and the order tensors are broadcast in.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_GROUP = "weight_update_group"
+
+
+def init_weights_update_group(
+    backend: str, master_address: str, master_port: int, rank: int, world_size: int,
+    group_name: str = DEFAULT_GROUP, timeout_s: float = 600.0,
+):
+    """Create (and rendezvous) a standalone process group; blocks until all `world_size` ranks join.
+
+    Used by both sides: the trainer as rank 0 (it hosts the store), each server as
+    `rank_offset + tp_rank`. The store is built directly, not through `rendezvous("tcp://...")`:
+    under torchrun that handler connects to the launcher's agent store instead of hosting one
+    (TORCHELASTIC_USE_AGENT_STORE), and rank 0 would wait forever for a store nobody serves.
+    """
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
+                     wait_for_workers=False)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_weights_update_group(pg) -> None:
+    """Forget a group made by `init_weights_update_group` (works without a default group)."""
+    from torch.distributed.distributed_c10d import _world
+
+    _world.pg_group_ranks.pop(pg, None)
+    try:
+        pg.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the group is unusable either way
+        pass
+
+
+def update_request_body(named: list, *, group_name: str = DEFAULT_GROUP, weight_version: Optional[str] = None,
+                        flattened: bool = False) -> dict:
+    """Trainer side: the `/update_weights_from_distributed` JSON for `named` = [(hf_name, tensor)]."""
+    # The bucket that completes an update (it carries the version) asks the server to flush its
+    # prefix cache, whose KV the old weights computed; earlier buckets leave it alone.
+    body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named], "group_name": group_name,
+            "flush_cache": weight_version is not None, "weight_version": weight_version}
+    if flattened:
+        body["load_format"] = "flattened_bucket"
+    return body
+
+
+def broadcast_weights(pg, named: list, *, flattened: bool = False) -> None:
+    """Trainer side (rank 0): broadcast `named` in list order, matching `receive_tensors` on the servers.
+    Post the update request first (asynchronously), then call this, then await the replies."""
+    if flattened:
+        dtypes = {t.dtype for _, t in named}
+        if len(dtypes) != 1:
+            raise ValueError(f"a flattened bucket needs one dtype, got {sorted(map(str, dtypes))}")
+        dist.broadcast(torch.cat([t.detach().reshape(-1) for _, t in named]), src=0, group=pg)
+        return
+    for _, t in named:
+        dist.broadcast(t.detach().contiguous(), src=0, group=pg)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A wire dtype name ("bfloat16") as a torch dtype; ValueError naming it when unknown."""
+    dt = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} (use torch names without 'torch.', e.g. 'bfloat16')")
+    return dt
+
+
+def receive_tensors(pg, names: list, dtypes: list, shapes: list, flattened: bool, device: str = "cpu") -> list:
+    """Receive the broadcasts of rank 0 in list order; returns [(name, tensor)] on `device`
+    ("cuda" for nccl: NCCL only moves GPU memory; the copy into the CPU model happens at load)."""
+    if flattened:
+        numels = [int(torch.Size(s).numel()) for s in shapes]
+        flat = torch.empty(sum(numels), dtype=dtypes[0], device=device)
+        dist.broadcast(flat, src=0, group=pg)
+        out, offset = [], 0
+        for name, shape, numel in zip(names, shapes, numels):
+            out.append((name, flat[offset: offset + numel].view(shape)))
+            offset += numel
+        return out
+    out = []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(t, src=0, group=pg)
+        out.append((name, t))
+    return out
