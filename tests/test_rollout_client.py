@@ -331,3 +331,40 @@ def test_router_generation_with_control_calls_to_each_worker():
                 client.abort_all()
                 client.pause_generation()
                 client.continue_generation()
+
+
+def test_producer_runs_ahead_and_regenerates_rounds_too_stale_to_train():
+    """RolloutProducer(ahead=2) keeps two rounds ready beyond the one the trainer asked for; a round
+    whose groups are more than max_staleness versions behind when the trainer takes it is not
+    trained: its groups go back into the buffer, reset, and come back under the new weights."""
+    from megatron_bapo.rollout.producer import RolloutProducer
+
+    with fake_servers(1) as (urls, _), client_for(urls) as client:
+        cfg = PartialRolloutConfig(group_size=2, max_response_tokens=3, max_staleness=1,
+                                   sampling=SamplingConfig(ignore_eos=True))
+        manager = PartialRolloutManager(client, cfg)
+        todo = prompts(8)
+        producer = RolloutProducer(client, manager, lambda: [todo.pop(0)], ahead=2, version=0)
+        client.update_weights_from_disk("ckpt/a0", 0)
+        producer.start()
+        first, _ = producer.next(0)
+        assert [g.prompt.index for g in first.groups] == [0]
+        deadline = time.monotonic() + 30
+        while producer.produced < 3:  # rounds 2 and 3 run ahead of the trainer
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert producer.produced == 3  # and no further: pacing holds it at two ahead
+        client.update_weights_from_disk("ckpt/a5", 5)
+        producer.publish(5)
+        second, _ = producer.next(5)  # generated at version 0: 5 versions old > max_staleness 1
+        assert second.groups == [] and [p.index for p in second.prompts] == [1]
+        assert manager.totals["num_regenerated"] == 2
+        seen = {}
+        for _ in range(4):
+            done, _ = producer.next(5)
+            for g in done.groups:
+                seen[g.prompt.index] = {v for s in g.samples for v in s.response_versions}
+        producer.stop()
+    assert seen[1] == {5}  # the stale group was regenerated under the new weights and trained later
+    assert all(5 - min(vs) <= cfg.max_staleness for vs in seen.values())  # nothing trained too stale

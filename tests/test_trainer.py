@@ -139,9 +139,13 @@ def test_train_end_to_end_tensorboard_and_cleanup(assets, tmp_path):
     assert pids and not any(_pid_alive(p) for p in pids)
 
 
-def test_sigkill_mid_step_then_resume_loses_and_duplicates_nothing(assets, tmp_path):
+@pytest.mark.parametrize("async_steps", [0, 1])
+def test_sigkill_mid_step_then_resume_loses_and_duplicates_nothing(assets, tmp_path, async_steps):
+    """SIGKILL mid-step, resume: the ledger shows no prompt lost or trained twice. With rollout one
+    step ahead (async_steps=1) the checkpoint also holds the round produced ahead, and the servers
+    have requests in flight when the trainer dies."""
     out = tmp_path / "run"
-    config = _config(assets, out, total_steps=4, save_every=1)
+    config = _config(assets, out, total_steps=4, save_every=1, async_steps=async_steps)
     proc = _train(config, assets)
     ledger = out / "samples.jsonl"
     deadline = time.monotonic() + 600
@@ -184,9 +188,33 @@ def test_sigkill_mid_step_then_resume_loses_and_duplicates_nothing(assets, tmp_p
     final = json.loads((out / "checkpoints" / "step_000004" / "trainer.json").read_text())
     buffered = [g["prompt"]["index"] for g in final["rollout"]["groups"]]
     trained = [i for ln in lines for _, i in ln["trained"]]
-    # Every drawn prompt is either trained or still in the partial-rollout buffer: nothing lost.
-    assert sorted(trained + buffered) == sorted(drawn)
-    assert final["data"]["position"] == len(drawn)
+    ahead = final["rounds"]["ready"]  # rounds produced ahead of training, not yet recorded
+    assert len(ahead) == async_steps
+    drawn_ahead = [p["index"] for r in ahead for p in r["prompts"]]
+    finished_ahead = [g["prompt"]["index"] for r in ahead for g in r["groups"]]
+    # Every drawn prompt is trained, still in the partial-rollout buffer, or in a round produced
+    # ahead: nothing lost, nothing twice.
+    assert sorted(trained + buffered + finished_ahead) == sorted(drawn + drawn_ahead)
+    assert final["data"]["position"] == len(drawn) + len(drawn_ahead)
     records = read_jsonl_metrics(out / "tb")
     assert [r["step"] for r in records if "timing/step_s" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in records if "bapo/c_high" in r] == [2, 3, 4]  # step 1 finished no group
+
+
+def test_async_rollout_runs_ahead_within_the_staleness_cap(assets, tmp_path):
+    """trainer.async_steps=1: rounds are produced one step ahead (the trainer finds them ready), no
+    trained token is more than rollout.max_staleness versions old, and some are older than the
+    update that trains them (off-policy, as intended)."""
+    out = tmp_path / "run"
+    config = _config(assets, out, total_steps=5, save_every=0, async_steps=1)
+    proc = _train(config, assets)
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-4000:]
+    records = [r for r in read_jsonl_metrics(out / "tb") if "timing/step_s" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    trained = [r for r in records if "staleness/version_lag_max" in r]
+    assert len(trained) >= 3
+    cap = yaml.safe_load(config.read_text())["rollout"]["max_staleness"]
+    assert all(r["staleness/version_lag_max"] <= cap for r in trained)
+    assert max(r["staleness/version_lag_max"] for r in trained) >= 1
+    assert all("timing/rollout_wait_s" in r for r in records)
