@@ -102,8 +102,7 @@ async def run_items(state: ServerState, items: list[GenerateItem]) -> list[Req]:
     try:
         return list(await asyncio.gather(*futures))
     except asyncio.CancelledError:
-        for item in items:
-            state.engine.abort(item.rid)
+        state.engine.abort_rids([item.rid for item in items])  # one O(len) message, never a queue scan
         raise
 
 
@@ -161,8 +160,7 @@ async def stream_generate(request: web.Request, state: ServerState, parsed) -> w
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
         except (asyncio.CancelledError, ConnectionResetError):
-            for item in parsed.items:
-                state.engine.abort(item.rid)
+            state.engine.abort_rids(rids)
             raise
         await resp.write_eof()
         return resp
