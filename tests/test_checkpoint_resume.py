@@ -189,3 +189,38 @@ def test_resume_checkpoint_agrees_on_every_rank(run, run_dist_module):
     errors = run_dist_module(_resume_on_every_rank, 2, str(out), timeout=120)
     assert errors[0] == errors[1] and errors[0].startswith("CheckpointError: no usable checkpoint")
 
+
+def test_train_cli_with_every_checkpoint_damaged_exits_2_with_one_error_line(run, tiny_hf_dir, tmp_path):
+    """`python -m megatron_bapo.train --resume` on damaged checkpoints: exit code 2, one
+    `checkpoint error:` line naming the directories to remove, no traceback."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    out, step2, step4 = run
+    _truncate(_largest_distcp(step4))
+    (step2 / "actor" / "common.pt").unlink()
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(10, 20)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "reward_mod.py").write_text("def reward(response, answer):\n    return 0.0\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"hf_path": str(tiny_hf_dir)},
+        "data": {"path": str(tmp_path / "train.jsonl"), "apply_chat_template": False, "max_prompt_tokens": 32},
+        "trainer": {"output_dir": str(out), "total_steps": 6, "save_every": 2, "progress": False},
+        "rollout": {"group_size": 2, "prompts_per_step": 2, "max_response_tokens": 4},
+        "reward": {"fn": "reward_mod:reward", "num_workers": 0},
+        "actor": {"max_tokens_per_microbatch": 256, "vocab_divisible_by": 64},
+    }))
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = f"{tmp_path}:{root}"
+    proc = subprocess.run([sys.executable, "-m", "megatron_bapo.train", "--config", str(config), "--resume"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("checkpoint error:")]
+    assert len(errors) == 1 and f"rm -r {step4} {step2}" in errors[0], output[-3000:]
