@@ -61,9 +61,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # ShardedTensor: notices for megatron-core, printed on every resume, that a user cannot act on.
     for message in ("`load_state_dict` is deprecated", "Please use DTensor instead"):
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    from megatron_bapo.run_state import CheckpointError
     from megatron_bapo.trainer import Trainer
 
-    history = Trainer(config).run()
+    try:
+        history = Trainer(config).run()
+    except CheckpointError as exc:  # damaged checkpoints on resume: the message says what to remove
+        if rank == 0:
+            print(f"checkpoint error: {exc}", file=sys.stderr)
+        return 2
     if rank == 0 and history:
         first, last = history[0], history[-1]
         key = "rollout/reward_mean"

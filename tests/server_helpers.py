@@ -11,10 +11,12 @@ import torch
 
 
 def http(url: str, body: Any = None, *, method: str = "POST", raw: Optional[bytes] = None,
-         timeout: float = 300.0) -> tuple[int, Any]:
-    """(status, parsed JSON or text) for one request; `raw` sends bytes as they are (bad JSON tests)."""
+         timeout: float = 300.0, headers: Optional[dict] = None) -> tuple[int, Any]:
+    """(status, parsed JSON or text) for one request; `raw` sends bytes as they are (bad JSON tests),
+    `headers` are added (e.g. Authorization)."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, text = resp.status, resp.read().decode()

@@ -156,9 +156,11 @@ def load_checkpoint(actor: "Actor", directory: str | os.PathLike, *, load_optimi
         actor.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
         same_layout = meta["layout"] == _layout(actor) and meta["world_size"] == actor.parallel.world_size
         rng_file = path / "rng" / f"rank{actor.parallel.rank}.pt"
-        if same_layout and rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, weights_only=False))
-        else:
+        if not same_layout:
             logger.warning("checkpoint layout %s differs from %s: RNG states not restored", meta["layout"], _layout(actor))
+        elif not rng_file.is_file():
+            logger.warning("%s is missing: RNG states not restored (resume is not exact)", rng_file)
+        else:
+            _set_rng_state(torch.load(rng_file, weights_only=False))
     dist.barrier(group=actor.parallel.world_group)
     return meta

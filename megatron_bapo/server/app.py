@@ -1,19 +1,24 @@
 """aiohttp application: `/generate`, health and info routes, and the process entry (`serve`).
 
 Control routes (abort, flush, pause, weight updates, memory) live in `control.py`.
+
+The event loop only moves bytes and futures: JSON parsing of large bodies, request parsing and
+tokenization, and reply building (detokenization, JSON) run in `ServerState.pool`, and the engine
+is reached only through its non-blocking methods, so `/health` answers while any of that runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 import os
 import signal
 import time
 import uuid
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from aiohttp import web
@@ -21,7 +26,8 @@ from aiohttp import web
 from megatron_bapo.server.config import ServerConfig
 from megatron_bapo.server.engine import Engine
 from megatron_bapo.server.req import LockedTokenizer, Req
-from megatron_bapo.server.protocol import GenerateItem, RequestError, SamplingParams, check_context, parse_generate
+from megatron_bapo.server.protocol import (GenerateItem, GenerateRequest, RequestError, RequestLimits, SamplingParams,
+                                            check_context, parse_generate)
 from megatron_bapo.server.response import build_output
 from megatron_bapo.server.state import ServerState
 from megatron_bapo.server.weights import eos_token_ids, load_model
@@ -31,23 +37,62 @@ logger = logging.getLogger(__name__)
 STATE_KEY = web.AppKey("bapo_server_state", ServerState)
 SERVER_VERSION = "0.0.0+megatron.bapo.builtin"
 HEALTH_CHECK_TIMEOUT_S = 20.0
+INLINE_JSON_BYTES = 64 << 10
+"""Bodies up to this size are parsed on the event loop (~1 ms); larger ones in the pool."""
+LINGERING_TIME_S = 2.0
+"""After refusing a body unread (413, 401), how long the server keeps reading and discarding what
+the client still sends before closing, so the client sees the reply instead of a reset. aiohttp's
+default (10 s) would read ~10 s of a 1 GiB upload."""
+
+
+class ApiKeyCheck:
+    """`Authorization: Bearer <key>` check in constant time: `hmac.compare_digest` over UTF-8 bytes
+    takes the same time wherever a guess first differs (a `!=` on strings returns at the first
+    difference and leaks the key prefix by timing). Any header text is accepted (non-ASCII too)."""
+
+    def __init__(self, key: str):
+        self._expected = f"Bearer {key}".encode("utf-8", "surrogateescape")
+
+    def __call__(self, header: Optional[str]) -> bool:
+        got = (header or "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(got, self._expected)
+
+
+def body_too_large(limit: int) -> RequestError:
+    return RequestError(f"the request body is larger than this server's limit max_body_bytes={limit} "
+                        "(--max-body-bytes)", status=413, shape=2)
 
 
 def error_response(exc: RequestError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
 
 
-async def read_json(request: web.Request, *, allow_empty: bool = True) -> Any:
-    """The body as JSON; an empty body is `{}` when allowed. Bad JSON -> RequestError (shape 2)."""
-    raw = await request.read()
+async def read_body(request: web.Request) -> bytes:
+    """The raw body, at most `max_body_bytes` (aiohttp's `client_max_size`; 413 naming it above)."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise body_too_large(request.app[STATE_KEY].config.max_body_bytes) from None
+
+
+def parse_json(raw: bytes, *, allow_empty: bool = True) -> Any:
+    """Bytes -> JSON; an empty body is `{}` when allowed. Bad JSON -> RequestError (shape 2)."""
     if not raw.strip():
         if allow_empty:
             return {}
         raise RequestError("the request body is empty; send a JSON object", shape=2)
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"JSON decode error: {exc}", shape=2) from exc
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, over-long ints, deep nesting
+        raise RequestError(f"JSON decode error: {exc}", shape=2) from None
+
+
+async def read_json(request: web.Request, *, allow_empty: bool = True) -> Any:
+    """The body as JSON (parsed in the pool when large)."""
+    raw = await read_body(request)
+    if len(raw) <= INLINE_JSON_BYTES:
+        return parse_json(raw, allow_empty=allow_empty)
+    return await request.app[STATE_KEY].offload(parse_json, raw, allow_empty=allow_empty)
 
 
 def read_object(body: Any, endpoint: str) -> dict:
@@ -60,12 +105,16 @@ def read_object(body: Any, endpoint: str) -> dict:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    """RequestError -> SGLang's 400 shapes; API key check when configured."""
+    """API key check when configured, body-size gate, RequestError -> SGLang's error shapes."""
     state = request.app[STATE_KEY]
-    key = state.config.api_key
-    # As SGLang: /health* stays open (probes and launchers), everything else needs the bearer key.
-    if key and not request.path.startswith("/health") and request.headers.get("Authorization", "") != f"Bearer {key}":
+    # /health stays open (launchers and liveness probes); everything else, /health_generate included
+    # (it runs a generation), needs the bearer key.
+    if state.api_key_check is not None and request.path != "/health" and not state.api_key_check(
+            request.headers.get("Authorization")):
         return web.json_response({"error": "Unauthorized"}, status=401)
+    limit = state.config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        return error_response(body_too_large(limit))  # refused before a byte of the body is read
     try:
         return await handler(request)
     except RequestError as exc:
@@ -73,18 +122,50 @@ async def error_middleware(request: web.Request, handler):
 
 
 def _validate_items(state: ServerState, items: list[GenerateItem]) -> None:
-    seen = set()
+    """Checks that need the model: vocabulary, context, tokenizer; rid clashes inside the request
+    (clashes with in-flight requests are checked by `enter_generate`). Runs in the pool."""
+    seen_rids: set = set()
+    seen_prompts: set = set()
     for item in items:
-        bad = [t for t in item.input_ids if not 0 <= t < state.vocab_size]
+        if id(item.input_ids) not in seen_prompts:  # the n samples of a prompt share its list
+            seen_prompts.add(id(item.input_ids))
+            bad = [t for t in item.input_ids if not 0 <= t < state.vocab_size]
+            if bad:
+                raise RequestError(f"input_ids contain token id {bad[0]} outside the vocabulary [0, {state.vocab_size})")
+        bias = item.params.logit_bias or {}
+        bad = [t for t in bias if not 0 <= t < state.vocab_size]
         if bad:
-            raise RequestError(f"input_ids contain token id {bad[0]} outside the vocabulary [0, {state.vocab_size})")
+            raise RequestError(f"sampling_params.logit_bias: token id {bad[0]} is outside the vocabulary "
+                               f"[0, {state.vocab_size})")
         check_context(item, state.context_length)
         if state.tokenizer is None and (item.params.stop or item.params.stop_regex):
             raise RequestError("stop strings need the tokenizer (server started with --skip-tokenizer-init); "
                                "use stop_token_ids")
-        if item.rid in seen or item.rid in state.active_rids:
+        if item.rid in seen_rids:
             raise RequestError("Duplicate request ID detected.")
-        seen.add(item.rid)
+        seen_rids.add(item.rid)
+
+
+def parse_request(state: ServerState, raw: bytes) -> GenerateRequest:
+    """Body bytes -> validated items (JSON, caps, tokenization, model checks). Runs in the pool."""
+    body = parse_json(raw, allow_empty=False)
+    tokenize = None if state.tokenizer is None else (lambda text: state.tokenizer(text)["input_ids"])
+    parsed = parse_generate(body, tokenize, state.limits)
+    _validate_items(state, parsed.items)
+    return parsed
+
+
+def reply_json(state: ServerState, reqs: list[Req], single: bool) -> web.Response:
+    """The reply for finished requests (a 4xx/5xx if one of them failed with a status). Runs in the pool.
+    `weight_version` is read here, when the reply is built (SGLang semantics)."""
+    for req in reqs:
+        code = (req.finish_reason or {}).get("status_code")
+        if code in (400, 500, 503):
+            return web.json_response({"error": {"message": req.finish_reason.get("message", "")}}, status=code)
+    # One json.dumps per sequence (a single dumps of a large batch would hold the GIL, and so stall
+    # the event loop, for seconds).
+    parts = [json.dumps(build_output(r, weight_version=state.weight_version, tokenizer=state.tokenizer)) for r in reqs]
+    return web.Response(text=parts[0] if single else "[" + ",".join(parts) + "]", content_type="application/json")
 
 
 async def run_items(state: ServerState, items: list[GenerateItem]) -> list[Req]:
@@ -102,17 +183,14 @@ async def run_items(state: ServerState, items: list[GenerateItem]) -> list[Req]:
     try:
         return list(await asyncio.gather(*futures))
     except asyncio.CancelledError:
-        for item in items:
-            state.engine.abort(item.rid)
+        state.engine.abort_rids([item.rid for item in items])  # one O(len) message, never a queue scan
         raise
 
 
 async def generate(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    body = await read_json(request, allow_empty=False)
-    tokenize = None if state.tokenizer is None else (lambda text: state.tokenizer(text)["input_ids"])
-    parsed = parse_generate(body, tokenize)
-    _validate_items(state, parsed.items)
+    raw = await read_body(request)
+    parsed = await state.offload(parse_request, state, raw)
     rids = [it.rid for it in parsed.items]
     if parsed.stream:
         return await stream_generate(request, state, parsed)
@@ -121,13 +199,20 @@ async def generate(request: web.Request) -> web.Response:
         reqs = await run_items(state, parsed.items)
     finally:
         await state.exit_generate(rids)
-    for req in reqs:
-        code = (req.finish_reason or {}).get("status_code")
-        if code in (400, 500, 503):
-            return web.json_response({"error": {"message": req.finish_reason.get("message", "")}}, status=code)
-    # weight_version is read here, when the reply is built (SGLang semantics).
-    outs = [build_output(r, weight_version=state.weight_version, tokenizer=state.tokenizer) for r in reqs]
-    return web.json_response(outs[0] if parsed.single else outs)
+    return await state.offload(reply_json, state, reqs, parsed.single)
+
+
+def sse_event(state: ServerState, req: Req, upto: Optional[int], index: Optional[int]) -> bytes:
+    """One `data:` event: the output so far (`upto` tokens) or, once finished, the final output or
+    an error. Runs in the pool (detokenization)."""
+    code = (req.finish_reason or {}).get("status_code") if upto is None else None
+    if code in (400, 500, 503):
+        chunk = {"error": {"message": req.finish_reason.get("message", ""), "code": code}}
+    else:
+        chunk = build_output(req, weight_version=state.weight_version, tokenizer=state.tokenizer, upto=upto)
+    if index is not None:
+        chunk["index"] = index
+    return f"data: {json.dumps(chunk)}\n\n".encode()
 
 
 async def stream_generate(request: web.Request, state: ServerState, parsed) -> web.StreamResponse:
@@ -149,20 +234,11 @@ async def stream_generate(request: web.Request, state: ServerState, parsed) -> w
         try:
             while remaining:
                 i, upto = await events.get()
-                req = reqs[i]
-                code = (req.finish_reason or {}).get("status_code") if upto is None else None
-                if code in (400, 500, 503):
-                    chunk = {"error": {"message": req.finish_reason.get("message", ""), "code": code}}
-                else:
-                    chunk = build_output(req, weight_version=state.weight_version, tokenizer=state.tokenizer, upto=upto)
-                if not parsed.single:
-                    chunk["index"] = i
                 remaining -= upto is None
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await resp.write(await state.offload(sse_event, state, reqs[i], upto, None if parsed.single else i))
             await resp.write(b"data: [DONE]\n\n")
         except (asyncio.CancelledError, ConnectionResetError):
-            for item in parsed.items:
-                state.engine.abort(item.rid)
+            state.engine.abort_rids(rids)
             raise
         await resp.write_eof()
         return resp
@@ -242,7 +318,7 @@ async def get_loads(request: web.Request) -> web.Response:
 def create_app(state: ServerState) -> web.Application:
     from megatron_bapo.server import control
 
-    app = web.Application(middlewares=[error_middleware], client_max_size=1 << 30)
+    app = web.Application(middlewares=[error_middleware], client_max_size=state.config.max_body_bytes)
     app[STATE_KEY] = state
     app.router.add_post("/generate", generate)
     app.router.add_put("/generate", generate)
@@ -270,9 +346,13 @@ def build_state(config: ServerConfig) -> ServerState:
     engine = Engine(model, tokenizer, eos_ids=eos_token_ids(model, tokenizer), max_running=config.max_running_requests,
                     seed=config.random_seed, original_logprob=config.return_original_logprob,
                     max_total_tokens=config.max_total_tokens)
+    limits = RequestLimits(max_sampling_n=config.max_sampling_n, max_batch_size=config.max_batch_size,
+                           max_prompt_tokens=min(config.max_prompt_tokens or ctx - 1, ctx - 1),
+                           max_prompt_chars=config.max_prompt_chars)
     state = ServerState(config=config, engine=engine, tokenizer=tokenizer, model_path=config.model_path,
                         weight_version=config.weight_version, context_length=ctx,
-                        vocab_size=int(model.get_input_embeddings().weight.shape[0]))
+                        vocab_size=int(model.get_input_embeddings().weight.shape[0]), limits=limits,
+                        api_key_check=ApiKeyCheck(config.api_key) if config.api_key else None)
     engine.version_label = lambda: state.weight_version  # per-token versions (`weight_versions` spans)
     return state
 
@@ -284,7 +364,8 @@ async def serve(config: ServerConfig) -> None:
     state.engine.start()
     # handler_cancellation: a client that disconnects cancels its /generate, which aborts its requests
     # (SGLang aborts on disconnect too), so timed-out client retries do not pile up work here.
-    runner = web.AppRunner(create_app(state), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(create_app(state), access_log=None, handler_cancellation=True,
+                           lingering_time=LINGERING_TIME_S)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
@@ -305,3 +386,4 @@ async def serve(config: ServerConfig) -> None:
     state.shutting_down = True
     await asyncio.to_thread(state.engine.shutdown)
     await runner.cleanup()
+    state.pool.shutdown(wait=False, cancel_futures=True)

@@ -54,6 +54,21 @@ class ServerConfig:
     """Python logging level of the server process."""
     skip_tokenizer_init: bool = False
     """No tokenizer: `text` prompts are rejected and replies carry no `text` (ids only)."""
+    max_sampling_n: int = 1024
+    """Largest `sampling_params.n` one prompt may ask for (SGLang has no cap; RL groups are 4-64).
+    Above it: 400 naming this limit."""
+    max_batch_size: int = 4096
+    """Most sequences one `/generate` call may create (prompts x n). Above it: 400 naming this limit."""
+    max_body_bytes: int = 32 << 20
+    """Largest request body in bytes (32 MiB: a batch of 4096 prompts of 1k token ids is ~30 MB of
+    JSON). A larger declared Content-Length is refused with 413 before the body is read; a chunked
+    body is cut off at the limit. The cap also bounds the one step that holds the GIL for long:
+    `json.loads` of a 32 MiB body of token ids takes ~0.7 s on the 2-core CI box."""
+    max_prompt_tokens: Optional[int] = None
+    """Longest prompt in tokens; None = context length - 1 (SGLang's `max_req_input_len`)."""
+    max_prompt_chars: int = 1 << 20
+    """Longest `text` prompt in characters, checked before tokenizing (tokenization costs time and
+    ~300 bytes of memory per character; 1 Mi characters is far beyond any context this serves)."""
 
     def validate(self) -> "ServerConfig":
         if not self.model_path:
@@ -68,6 +83,10 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"ServerConfig.num_threads must be >= 1, got {self.num_threads}")
+        for name in ("max_sampling_n", "max_batch_size", "max_body_bytes", "max_prompt_tokens", "max_prompt_chars"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"ServerConfig.{name} must be >= 1, got {value} (--{name.replace('_', '-')})")
         return self
 
 
@@ -112,6 +131,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--log-level", default="info")
     p.add_argument("--skip-tokenizer-init", action="store_true")
+    p.add_argument("--max-sampling-n", type=int, default=1024, help="largest sampling_params.n per prompt")
+    p.add_argument("--max-batch-size", type=int, default=4096, help="most sequences (prompts x n) per /generate")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body (413 above)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: context length - 1)")
+    p.add_argument("--max-prompt-chars", type=int, default=1 << 20, help="longest text prompt, checked before tokenizing")
     for flag, nargs in IGNORED_SGLANG_FLAGS.items():
         dest = "ignored_" + flag.lstrip("-").replace("-", "_")
         if nargs == 0:

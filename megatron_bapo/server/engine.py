@@ -1,14 +1,26 @@
 """The inference engine: one scheduler thread doing continuous batching over a transformers model.
 
-Each loop iteration, under `step_lock`: apply pending aborts, admit waiting requests (one prefill per
-distinct context, shared by identical prompts such as the G samples of a group), then run ONE decode
-step for every running request together. Weight swaps take `step_lock`, so they land between decode
-steps and never inside one. The HTTP side talks to the engine only through thread-safe methods and a
-per-request `on_done` callback.
+Each loop iteration, under `step_lock`: take the inbox (new requests and aborts, in arrival order),
+admit waiting requests (one prefill per distinct context, shared by identical prompts such as the G
+samples of a group), then run ONE decode step for every running request together. Weight swaps take
+`step_lock`, so they land between decode steps and never inside one.
+
+Threads: the HTTP side only appends to the inbox (`submit`, `abort`, `abort_rids`) and reads
+published counters (`loads`); the condition `_wake` is held for O(1) work only, so the event loop
+never waits on the scheduler. Everything else (queues, the rid index, the KV cache) belongs to the
+scheduler thread, or to `pause()` under `step_lock`.
+
+Aborts cost O(1) per request: live requests are indexed by rid and an aborted waiting request is
+finished in place, never searched for in the queue (`waiting.py`).
+
+Isolation: a request whose sampling raises is failed alone (500 reason) and the others in its
+prefill or decode batch go on; a batched prefill whose forward raises is retried one context at a
+time, so only the context that fails again is failed.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from typing import Callable, Optional
@@ -18,18 +30,26 @@ import torch
 from megatron_bapo.server.kv import BatchKV
 from megatron_bapo.server.prefill import batched_prefill, chunk_by_tokens
 from megatron_bapo.server.protocol import GenerateItem
-from megatron_bapo.server.req import Req, abort_reason
+from megatron_bapo.server.req import Req, abort_reason, check_finished, fill_input_logprobs
 from megatron_bapo.server.sampling import adjust_logits, choose_plain_batch, choose_token, is_plain, top_logprobs
+from megatron_bapo.server.waiting import WaitingQueue
 
 logger = logging.getLogger(__name__)
 
 PREFILL_MAX_TOKENS = 8192
 """Padded tokens per batched prefill forward (bounds the activation memory of one prefill)."""
 
+_SUBMIT, _ABORT_PREFIX, _ABORT_EXACT = "submit", "abort_prefix", "abort_exact"
+
 
 def _reserve(req: Req) -> int:
     """KV tokens a request may need: its prompt plus its whole output budget."""
     return len(req.item.input_ids) + int(req.item.params.max_new_tokens)
+
+
+def _failure(where: str, exc: BaseException) -> dict:
+    return {"type": "abort", "message": f"internal error in {where}: {exc}", "status_code": 500,
+            "err_type": "InternalServerError"}
 
 
 class Engine:
@@ -45,11 +65,16 @@ class Engine:
         self.original_logprob = original_logprob
         self.generator = torch.Generator().manual_seed(seed)
         self.step_lock = threading.RLock()
-        self._cv = threading.Condition()
-        self._waiting: list[Req] = []
+        self._wake = threading.Condition()
+        self._inbox: collections.deque = collections.deque()  # (kind, payload); deque ops are atomic
+        # Scheduler-owned (or pause() under step_lock):
+        self._waiting = WaitingQueue()
         self._running: list[Req] = []
         self._kv = BatchKV()
-        self._pending_aborts: list[tuple[str, bool]] = []
+        self._done: list[Req] = []  # finished, on_done not yet called (see _flush)
+        # Published for other threads (plain ints, written by the owner, read without a lock):
+        self._num_running = 0
+        self._num_kv_tokens = 0
         self._paused = False
         self._shutdown = False
         self._thread = threading.Thread(target=self._loop, name="bapo-scheduler", daemon=True)
@@ -64,9 +89,9 @@ class Engine:
         self._thread.start()
 
     def shutdown(self) -> None:
-        with self._cv:
+        with self._wake:
             self._shutdown = True
-            self._cv.notify_all()
+            self._wake.notify_all()
         self._thread.join(timeout=30)
 
     @property
@@ -79,48 +104,48 @@ class Engine:
         stop = set() if sp.ignore_eos else set(self.eos_ids) | set(sp.stop_token_ids)
         gen = torch.Generator().manual_seed(sp.sampling_seed) if sp.sampling_seed is not None else None
         req = Req(item=item, on_done=on_done, on_token=on_token, stop_ids=frozenset(stop), generator=gen)
-        with self._cv:
-            self._waiting.append(req)
-            self._cv.notify_all()
+        self._post(_SUBMIT, req)
         return req
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        """Abort every request whose rid starts with `rid` (or all); takes effect before the next step."""
-        with self._cv:
-            self._pending_aborts.append((rid, abort_all))
-            self._cv.notify_all()
+        """Abort every request whose rid starts with `rid` (or all); takes effect before the next step.
+        SGLang's `/abort_request` semantics: `"s_1"` also aborts `"s_10"`."""
+        self._post(_ABORT_PREFIX, (rid, abort_all))
+
+    def abort_rids(self, rids: list) -> None:
+        """Abort exactly these rids (a disconnected client's own requests): O(1) each."""
+        self._post(_ABORT_EXACT, list(rids))
 
     def pause(self, retract: bool) -> None:
         """Stop computing. `retract`: running requests go back to the queue and their KV is dropped
         (re-prefilled on continue); otherwise they stay resident (in place)."""
-        with self._cv:
-            self._paused = True
+        self._paused = True
         with self.step_lock:
             if retract and self._running:
                 for req in self._running:
                     req.num_retractions += 1
-                with self._cv:
-                    self._waiting[:0] = self._running
+                    req.running = False
+                self._waiting.requeue_front(self._running)
                 self._running = []
                 self._kv.clear()
+                self._publish()
 
     def resume(self) -> None:
-        with self._cv:
+        with self._wake:
             self._paused = False
-            self._cv.notify_all()
+            self._wake.notify_all()
 
     @property
     def paused(self) -> bool:
         return self._paused
 
     def loads(self) -> tuple[int, int, int]:
-        """(running, waiting, tokens resident in the KV cache)."""
-        with self._cv:
-            return len(self._running), len(self._waiting), int(self._kv.mask.sum()) if self._kv.mask is not None else 0
+        """(running, waiting, tokens resident in the KV cache), as of the last scheduler step."""
+        return self._num_running, self._waiting.num_waiting, self._num_kv_tokens
 
     def is_idle(self) -> bool:
         running, waiting, _ = self.loads()
-        return running == 0 and waiting == 0
+        return running == 0 and waiting == 0 and not self._inbox
 
     def swap_model(self, model) -> None:
         """Replace the model between decode steps (resident KV, if any, was computed by the old one)."""
@@ -128,85 +153,125 @@ class Engine:
             self.model = model
 
     # ---------------------------------------------------------------- scheduler thread
+    def _post(self, kind: str, payload) -> None:
+        self._inbox.append((kind, payload))
+        with self._wake:
+            self._wake.notify()
+
     def _has_work(self) -> bool:
-        return bool(self._pending_aborts) or (not self._paused and bool(self._waiting or self._running))
+        return bool(self._inbox) or (not self._paused and bool(self._waiting.num_waiting or self._running))
 
     def _loop(self) -> None:
         while True:
-            with self._cv:
+            with self._wake:
                 while not self._shutdown and not self._has_work():
-                    self._cv.wait()
+                    self._wake.wait()
                 if self._shutdown:
                     break
-            try:
-                with self.step_lock, torch.inference_mode():
-                    self._apply_aborts()
-                    if self._paused:
-                        continue
-                    self._admit()
-                    if self._running:
-                        self._decode_step()
-            except BaseException as exc:  # noqa: BLE001 - keep serving; fail the affected requests
-                logger.exception("scheduler step failed; aborting the running requests")
-                self.last_error = exc
-                with self._cv:
+            with self.step_lock, torch.inference_mode():
+                try:
+                    self._take_inbox()
+                    if not self._paused:
+                        self._admit()
+                        if self._running:
+                            self._decode_step()
+                except BaseException as exc:  # noqa: BLE001 - keep serving; fail the affected requests
+                    logger.exception("scheduler step failed; aborting the running requests")
+                    self.last_error = exc
                     failed, self._running = self._running, []
-                self._kv.clear()
-                for req in failed:
-                    self._finish(req, {"type": "abort", "message": f"internal error: {exc}",
-                                       "status_code": 500, "err_type": "InternalServerError"})
-        with self._cv:
-            leftover = self._waiting + self._running
-            self._waiting, self._running = [], []
-        for req in leftover:
-            self._finish(req, abort_reason("Server shutting down"))
+                    self._kv.clear()
+                    for req in failed:
+                        self._finish(req, _failure("decode", exc))
+                finally:
+                    self._flush()
+        with self.step_lock:
+            self._take_inbox()
+            leftover = self._waiting.drain() + self._running
+            self._running = []
+            for req in leftover:
+                self._finish(req, abort_reason("Server shutting down"))
+            self._flush()
+
+    def _publish(self) -> None:
+        """Update the counters `loads()` reads (under `step_lock`)."""
+        mask = self._kv.mask
+        self._num_running = len(self._running)
+        self._num_kv_tokens = int(mask.sum()) if mask is not None else 0
+
+    def _flush(self) -> None:
+        """Publish the counters, then call on_done of the requests finished since the last flush
+        (so a client that got its reply never reads a load count that still includes it)."""
+        self._publish()
+        done, self._done = self._done, []
+        for req in done:
+            try:
+                req.on_done(req)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_done callback failed for rid %s", req.rid)
 
     def _finish(self, req: Req, reason: dict) -> None:
+        """Record the finish and drop the rid from the index; the callback runs at the next `_flush`."""
         req.finish_reason = reason
-        try:
-            req.on_done(req)
-        except Exception:  # noqa: BLE001
-            logger.exception("on_done callback failed for rid %s", req.rid)
+        req.running = False
+        self._waiting.forget(req)
+        self._done.append(req)
 
-    def _apply_aborts(self) -> None:
-        with self._cv:
-            aborts, self._pending_aborts = self._pending_aborts, []
-            if not aborts:
-                return
-
-            def hit(req: Req) -> bool:
-                return any(a_all or req.rid.startswith(prefix) for prefix, a_all in aborts)
-
-            dropped = [r for r in self._waiting if hit(r)]
-            self._waiting = [r for r in self._waiting if not hit(r)]
-            keep = [i for i, r in enumerate(self._running) if not hit(r)]
-            stopped = [r for r in self._running if hit(r)]
-            self._running = [self._running[i] for i in keep]
+    def _take_inbox(self) -> None:
+        """New requests join the queue and the rid index; aborts hit live requests by rid (a waiting
+        one is finished at once and skipped later; running ones leave the batch together)."""
+        stopped: set = set()
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == _SUBMIT:
+                if not self._waiting.add(payload):  # the HTTP layer refuses in-flight rids; in-process use
+                    self._finish(payload, {"type": "abort", "message": "Duplicate request ID detected.",
+                                           "status_code": 400, "err_type": "BadRequest"})
+                continue
+            for req in self._matches(kind, payload):
+                if req.finish_reason is not None or id(req) in stopped:
+                    continue
+                if req.running:
+                    stopped.add(id(req))
+                else:
+                    self._waiting.left_queue()
+                    self._finish(req, abort_reason("Aborted" if req.started else "Abort in waiting queue"))
         if stopped:
+            keep = [i for i, r in enumerate(self._running) if id(r) not in stopped]
+            gone = [r for r in self._running if id(r) in stopped]
+            self._running = [self._running[i] for i in keep]
             self._kv.keep(keep)
-        for req in dropped:
-            self._finish(req, abort_reason("Aborted" if req.started else "Abort in waiting queue"))
-        for req in stopped:
-            self._finish(req, abort_reason("Aborted"))
+            for req in gone:
+                self._finish(req, abort_reason("Aborted"))
+
+    def _matches(self, kind: str, payload) -> list:
+        if kind == _ABORT_EXACT:
+            return self._waiting.exact(payload)
+        prefix, abort_all = payload
+        if abort_all:
+            return self._waiting.all_live()
+        return self._waiting.with_prefix(prefix) if prefix else []
+
+    def _pop_admissible(self) -> list:
+        """Waiting requests (FIFO) while there is room: `max_running`, and the KV budget when set
+        (prompt + max_new_tokens reserved per request; one is always admitted when none runs)."""
+        budget = self.max_total_tokens
+        reserved = sum(_reserve(r) for r in self._running) if budget is not None else 0
+
+        def fits(req: Req, num_taken: int) -> bool:
+            nonlocal reserved
+            if budget is None:
+                return True
+            if reserved + _reserve(req) > budget and (num_taken or self._running):
+                return False
+            reserved += _reserve(req)
+            return True
+
+        return self._waiting.pop_admissible(self.max_running - len(self._running), fits)
 
     def _admit(self) -> None:
-        with self._cv:
-            room = self.max_running - len(self._running)
-            if room <= 0 or not self._waiting:
-                return
-            count = min(room, len(self._waiting))
-            if self.max_total_tokens is not None:
-                # Reserve prompt + max_new_tokens per request; FIFO, so a big request is not starved.
-                reserved = sum(_reserve(r) for r in self._running)
-                count = 0
-                for req in self._waiting[:room]:
-                    if reserved + _reserve(req) > self.max_total_tokens and (count or self._running):
-                        break
-                    reserved += _reserve(req)
-                    count += 1
-                if count == 0:
-                    return
-            batch, self._waiting = self._waiting[:count], self._waiting[count:]
+        batch = self._pop_admissible()
+        if not batch:
+            return
         groups: dict[tuple, list[Req]] = {}
         for req in batch:
             groups.setdefault(tuple(req.item.input_ids + req.output_ids), []).append(req)
@@ -225,45 +290,78 @@ class Engine:
         if plain:
             for chunk in chunk_by_tokens([ctx for ctx, _ in plain], PREFILL_MAX_TOKENS):
                 entries = [plain[i] for i in chunk]
-                self._guarded([r for _, rs in entries for r in rs], self._prefill_batch, entries)
+                if not self._guarded([r for _, rs in entries for r in rs], self._prefill_batch, entries,
+                                     fail=len(entries) == 1):
+                    for entry in entries:  # isolate: one context at a time, so only a failing one fails
+                        self._guarded(entry[1], self._prefill_batch, [entry])
 
-    def _guarded(self, reqs: list[Req], fn, *args) -> None:
-        """Run a prefill; on error fail only its requests (keep serving the rest)."""
+    def _guarded(self, reqs: list[Req], fn, *args, fail: bool = True) -> bool:
+        """Run a prefill; on error fail only its unfinished requests (when `fail`), keep serving the
+        rest. Returns False on error."""
         try:
             fn(*args)
+            return True
         except Exception as exc:  # noqa: BLE001
-            logger.exception("prefill failed for %d request(s)", len(reqs))
             self.last_error = exc
+            if not fail:
+                logger.warning("batched prefill of %d request(s) failed (%s); retrying one context at a time",
+                               len(reqs), exc)
+                return False
+            logger.exception("prefill failed for %d request(s)", len(reqs))
             for req in reqs:
-                if req.finish_reason is None and req not in self._running:
-                    self._finish(req, {"type": "abort", "message": f"internal error in prefill: {exc}",
-                                       "status_code": 500, "err_type": "InternalServerError"})
+                if req.finish_reason is None and not req.running:
+                    self._finish(req, _failure("prefill", exc))
+            return False
+
+    def _sample_guarded(self, req: Req, logits: torch.Tensor) -> bool:
+        """`_sample` for one request; an error fails this request only (returns False)."""
+        try:
+            return self._sample(req, logits)
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("sampling failed for rid %s; failing that request only", req.rid)
+            self.last_error = exc
+            if req.finish_reason is None:
+                self._finish(req, _failure("sampling", exc))
+            return False
+
+    def _join(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            req.running = True
+        self._running.extend(reqs)
 
     def _prefill_batch(self, entries: list[tuple]) -> None:
-        """One left-padded forward for several distinct contexts, each shared by its requests."""
+        """One left-padded forward for several distinct contexts, each shared by its requests.
+        Only the forward may raise (the caller may then retry); later errors fail the requests here."""
         logits, layers, mask = batched_prefill(self.model, [ctx for ctx, _ in entries])
         rows, joined = [], []
-        for j, (_, reqs) in enumerate(entries):
-            for i, req in enumerate(reqs):
-                if i > 0 and not req.started:
-                    req.cached_tokens = len(req.item.input_ids)
-                req.started = True
-                if self._sample(req, logits[j]):
-                    rows.append(j)
-                    joined.append(req)
-        if joined:
-            idx = torch.tensor(rows, dtype=torch.long)
-            self._kv.append([(k.index_select(0, idx), v.index_select(0, idx)) for k, v in layers],
-                            mask.index_select(0, idx))
-            with self._cv:
-                self._running.extend(joined)
+        try:
+            for j, (_, reqs) in enumerate(entries):
+                for i, req in enumerate(reqs):
+                    if i > 0 and not req.started:
+                        req.cached_tokens = len(req.item.input_ids)
+                    req.started = True
+                    if self._sample_guarded(req, logits[j]):
+                        rows.append(j)
+                        joined.append(req)
+            if joined:
+                idx = torch.tensor(rows, dtype=torch.long)
+                self._kv.append([(k.index_select(0, idx), v.index_select(0, idx)) for k, v in layers],
+                                mask.index_select(0, idx))
+                self._join(joined)
+        except Exception as exc:  # noqa: BLE001 - tokens were drawn: no retry, fail these requests
+            logger.exception("prefill bookkeeping failed for %d context(s)", len(entries))
+            for _, reqs in entries:
+                for req in reqs:
+                    if req.finish_reason is None and not req.running:
+                        self._finish(req, _failure("prefill", exc))
 
     def _prefill(self, ctx: list, reqs: list[Req]) -> None:
         """One forward over `ctx` shared by `reqs`; samples each request's next token."""
         want_input = [r for r in reqs if r.item.return_logprob and r.item.logprob_start_len >= 0 and not r.started]
         todo = [r for r in reqs if r.item.params.max_new_tokens > len(r.output_ids)]
+        todo_ids, want_ids = {id(r) for r in todo}, {id(r) for r in want_input}
         for r in reqs:
-            if r not in todo and r not in want_input:
+            if id(r) not in todo_ids and id(r) not in want_ids:
                 self._finish(r, {"type": "length", "length": r.item.params.max_new_tokens})
         if not todo and not want_input:
             return
@@ -273,9 +371,9 @@ class Engine:
         if want_input:
             lp_all = torch.log_softmax(logits[:-1], dim=-1)
             for r in want_input:
-                self._fill_input_logprobs(r, ctx, lp_all)
+                fill_input_logprobs(r, ctx, lp_all)
         for r in reqs:
-            if r not in todo and r.finish_reason is None:
+            if id(r) not in todo_ids and r.finish_reason is None:
                 self._finish(r, {"type": "length", "length": r.item.params.max_new_tokens})
         if not todo:
             return
@@ -285,23 +383,13 @@ class Engine:
         for i, req in enumerate(todo):
             req.cached_tokens = len(req.item.input_ids) if i > 0 and not req.started else req.cached_tokens
             req.started = True
-            if self._sample(req, last):
+            if self._sample_guarded(req, last):
                 joined.append(req)
         if joined:
             b = len(joined)
             rep = [(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1)) for k, v in layers]
             self._kv.append(rep, torch.ones(b, len(ctx), dtype=torch.long))
-            with self._cv:
-                self._running.extend(joined)
-
-    def _fill_input_logprobs(self, req: Req, ctx: list, lp_all: torch.Tensor) -> None:
-        start = req.item.logprob_start_len
-        num_in = len(req.item.input_ids)
-        entries, tops = [[None, int(ctx[start]), None]], [None]
-        for pos in range(start + 1, num_in):
-            entries.append([float(lp_all[pos - 1, ctx[pos]]), int(ctx[pos]), None])
-            tops.append(top_logprobs(lp_all[pos - 1], req.item.top_logprobs_num) if req.item.top_logprobs_num else None)
-        req.input_logprobs, req.input_top = entries, tops
+            self._join(joined)
 
     def _sample(self, req: Req, logits: torch.Tensor) -> bool:
         """Choose, record and check one token; returns True when the request keeps running."""
@@ -318,12 +406,16 @@ class Engine:
         drawn: dict[int, tuple[int, float]] = {}
         if len(plain) > 1:
             idx = torch.tensor(plain, dtype=torch.long)
-            toks, lps = choose_plain_batch(logits.index_select(0, idx), [reqs[i].item.params.temperature for i in plain],
-                                           self.generator, original=self.original_logprob)
-            drawn = {i: (t, lp) for i, t, lp in zip(plain, toks, lps)}
+            try:
+                toks, lps = choose_plain_batch(logits.index_select(0, idx),
+                                               [reqs[i].item.params.temperature for i in plain],
+                                               self.generator, original=self.original_logprob)
+                drawn = {i: (t, lp) for i, t, lp in zip(plain, toks, lps)}
+            except Exception as exc:  # noqa: BLE001 - e.g. one non-finite row: sample row by row instead
+                logger.warning("batched sampling of %d rows failed (%s); sampling them one by one", len(plain), exc)
         keep = []
         for i, req in enumerate(reqs):
-            alive = self._record(req, *drawn[i], None) if i in drawn else self._sample(req, logits[i])
+            alive = self._record(req, *drawn[i], None) if i in drawn else self._sample_guarded(req, logits[i])
             if alive:
                 keep.append(i)
         return keep
@@ -336,35 +428,16 @@ class Engine:
             req.output_logprobs.append([lp, tok, None])
             if req.item.top_logprobs_num:
                 req.output_top.append(top_logprobs(lp_row, req.item.top_logprobs_num))
-        reason = self._check_finished(req, tok)
+        reason = check_finished(req, tok, self.tokenizer)
         if reason is not None:
             self._finish(req, reason)
             return False
         if req.on_token is not None:
-            req.on_token(req, len(req.output_ids))
+            try:
+                req.on_token(req, len(req.output_ids))
+            except Exception:  # noqa: BLE001 - a streaming client's callback must not stop the batch
+                logger.exception("on_token callback failed for rid %s", req.rid)
         return True
-
-    def _check_finished(self, req: Req, tok: int) -> Optional[dict]:
-        """SGLang's order: length first, then stop/EOS ids (skipped with ignore_eos), then stop strings."""
-        sp = req.item.params
-        if len(req.output_ids) >= sp.max_new_tokens:
-            return {"type": "length", "length": sp.max_new_tokens}
-        if tok in req.stop_ids:
-            return {"type": "stop", "matched": tok}
-        if (sp.stop or sp.stop_regex) and self.tokenizer is not None:
-            longest = max([len(s) for s in sp.stop] + [64 if sp.stop_regex else 0])
-            tail = self.tokenizer.decode(req.output_ids[-(longest + 8):], skip_special_tokens=sp.skip_special_tokens)
-            for s in sp.stop:
-                if s in tail:
-                    return {"type": "stop", "matched": s}
-            if sp.stop_regex:
-                import re
-
-                for pattern in sp.stop_regex:
-                    m = re.search(pattern, tail)
-                    if m:
-                        return {"type": "stop", "matched": pattern}
-        return None
 
     def _decode_step(self) -> None:
         reqs = self._running
@@ -377,6 +450,5 @@ class Engine:
         self._kv.advance(out.past_key_values)
         logits = out.logits[:, -1].float()
         keep = self._sample_rows(reqs, logits)
-        with self._cv:
-            self._running = [reqs[i] for i in keep]
+        self._running = [reqs[i] for i in keep]
         self._kv.keep(keep)

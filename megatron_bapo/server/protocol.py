@@ -10,8 +10,34 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import reprlib
 import uuid
 from typing import Any, Optional
+
+LOGIT_BIAS_MAX = 1e6
+"""Largest |logit_bias| value: enough to force or ban any token, small enough that biased fp32
+logits, even divided by the smallest non-greedy temperature (1e-6), stay finite."""
+SEED_RANGE = (-(1 << 63), 1 << 64)
+"""`sampling_seed` values torch.Generator.manual_seed accepts: [-2**63, 2**64)."""
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlevel = 80, 80, 40, 3
+
+
+def _short(value: Any) -> str:
+    """A bounded repr for echoing client values in error messages (a 30 MB string stays short)."""
+    return _REPR.repr(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """Per-request caps (`ServerConfig.max_*`, with `max_prompt_tokens` resolved). Each violation is
+    a 400 that names the limit and its flag, checked before the expensive part (tokenizing, fan-out)."""
+
+    max_sampling_n: int = 1024
+    max_batch_size: int = 4096
+    max_prompt_tokens: int = 1 << 62
+    max_prompt_chars: int = 1 << 20
 
 
 class RequestError(Exception):
@@ -71,6 +97,34 @@ _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence
 _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
 
 
+def _finite(value: Any) -> Optional[float]:
+    """`value` as a finite float, or None (not a number, a bool, NaN/inf, or an int too big for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        out = float(value)
+    except OverflowError:
+        return None
+    return out if math.isfinite(out) else None
+
+
+def _parse_logit_bias(value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise RequestError("sampling_params.logit_bias must be an object {token_id: bias}", shape=2)
+    out = {}
+    for key, bias in value.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            raise RequestError(f"sampling_params.logit_bias: key {_short(key)} is not a token id") from None
+        num = _finite(bias)
+        if num is None or abs(num) > LOGIT_BIAS_MAX:
+            raise RequestError(f"sampling_params.logit_bias[{_short(key)}] must be a finite number in "
+                               f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], got {_short(bias)}")
+        out[tok] = num
+    return out
+
+
 def parse_sampling_params(raw: Any) -> SamplingParams:
     """A dict from the request -> validated `SamplingParams`; `null` values mean the default."""
     if raw is None:
@@ -89,28 +143,31 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
                 if isinstance(value, float) and value.is_integer():
                     value = int(value)
                 else:
-                    raise RequestError(f"sampling_params.{key} must be an integer, got {value!r}", shape=2)
+                    raise RequestError(f"sampling_params.{key} must be an integer, got {_short(value)}", shape=2)
         elif key in _FLOAT_FIELDS:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise RequestError(f"sampling_params.{key} must be a finite number, got {value!r}", shape=2)
-            value = float(value)
+            num = _finite(value)
+            if num is None:
+                raise RequestError(f"sampling_params.{key} must be a finite number, got {_short(value)}", shape=2)
+            value = num
         elif key in _BOOL_FIELDS:
             if not isinstance(value, bool):
-                raise RequestError(f"sampling_params.{key} must be a boolean, got {value!r}", shape=2)
+                raise RequestError(f"sampling_params.{key} must be a boolean, got {_short(value)}", shape=2)
         elif key in ("stop", "stop_regex"):
             value = [value] if isinstance(value, str) else value
             if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
                 raise RequestError(f"sampling_params.{key} must be a non-empty string or a list of them", shape=2)
+            if key == "stop_regex":
+                for pattern in value:
+                    try:
+                        re.compile(pattern)
+                    except (re.error, RecursionError, OverflowError) as exc:
+                        raise RequestError(f"sampling_params.stop_regex {_short(pattern)} is not a valid regular "
+                                           f"expression: {exc}") from None
         elif key == "stop_token_ids":
             if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
                 raise RequestError("sampling_params.stop_token_ids must be a list of integers", shape=2)
         elif key == "logit_bias":
-            if not isinstance(value, dict):
-                raise RequestError("sampling_params.logit_bias must be an object {token_id: bias}", shape=2)
-            try:
-                value = {int(k): float(v) for k, v in value.items()}
-            except (TypeError, ValueError) as exc:
-                raise RequestError(f"sampling_params.logit_bias: keys must be token ids, values numbers ({exc})")
+            value = _parse_logit_bias(value)
         setattr(sp, key, value)
     _check_sampling_rules(sp)
     return sp
@@ -140,6 +197,8 @@ def _check_sampling_rules(sp: SamplingParams) -> None:
                            f"got {sp.min_new_tokens}.")
     if sp.n < 1:
         raise RequestError(f"n must be at least 1, got {sp.n}.")
+    if sp.sampling_seed is not None and not SEED_RANGE[0] <= sp.sampling_seed < SEED_RANGE[1]:
+        raise RequestError(f"sampling_params.sampling_seed must be in [-2**63, 2**64), got {sp.sampling_seed}.")
     grammars = [g for g in (sp.json_schema, sp.regex, sp.ebnf) if g is not None]
     if grammars:
         raise RequestError("Constrained decoding (json_schema / regex / ebnf) is not supported by the built-in "
@@ -190,12 +249,25 @@ def _per_item(value: Any, n: int, name: str, default: Any, kinds: tuple) -> list
         out = [value] * n
     for v in out:
         if v is not None and (not isinstance(v, kinds) or (bool not in kinds and isinstance(v, bool))):
-            raise RequestError(f"{name} has a value of the wrong type: {v!r}", shape=2)
+            raise RequestError(f"{name} has a value of the wrong type: {_short(v)}", shape=2)
     return [default if v is None else v for v in out]
 
 
-def parse_generate(body: Any, tokenize) -> GenerateRequest:
-    """Validate a `/generate` JSON body. `tokenize(text) -> list[int]` (None: text prompts rejected)."""
+def _check_prompt_len(i: int, ids: list, limits: RequestLimits) -> list:
+    if len(ids) > limits.max_prompt_tokens:
+        raise RequestError(f"prompt {i} has {len(ids)} tokens, above this server's limit max_prompt_tokens="
+                           f"{limits.max_prompt_tokens} (--max-prompt-tokens; default: the context length - 1)")
+    return ids
+
+
+def parse_generate(body: Any, tokenize, limits: RequestLimits = RequestLimits()) -> GenerateRequest:
+    """Validate a `/generate` JSON body. `tokenize(text) -> list[int]` (None: text prompts rejected).
+
+    Cheap checks come first: the number of prompts, text lengths in characters, the sampling
+    parameters and the number of sequences (prompts x n) are all checked against `limits` before
+    any text is tokenized or any sample is created. The `n` samples of one prompt share its
+    `input_ids` list and its `SamplingParams` (neither is mutated per sample).
+    """
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}", shape=2)
     text, input_ids = body.get("text"), body.get("input_ids")
@@ -209,12 +281,12 @@ def parse_generate(body: Any, tokenize) -> GenerateRequest:
         if body.get(key) is not None:
             raise RequestError(f"{key} is not supported by the built-in server")
 
+    texts: Optional[list] = None
     if input_ids is not None:
         if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
-            prompts = [_check_ids(ids, f"input_ids[{i}]") for i, ids in enumerate(input_ids)]
-            single = False
+            prompts, single = input_ids, False
         else:
-            prompts, single = [_check_ids(input_ids, "input_ids")], True
+            prompts, single = [input_ids], True
     else:
         if tokenize is None:
             raise RequestError("text prompts need the tokenizer (server started with --skip-tokenizer-init)")
@@ -226,11 +298,11 @@ def parse_generate(body: Any, tokenize) -> GenerateRequest:
             raise RequestError("text must be a string or a list of strings", shape=2)
         if not texts:
             raise RequestError("text is an empty list.")
-        prompts = [tokenize(t) for t in texts]
-        for i, ids in enumerate(prompts):
-            if not ids:
-                raise RequestError(f"text[{i}] tokenizes to zero tokens.")
+        prompts = texts
     num = len(prompts)
+    if num > limits.max_batch_size:
+        raise RequestError(f"this request has {num} prompts, above this server's limit "
+                           f"max_batch_size={limits.max_batch_size} (--max-batch-size); split it into smaller requests")
 
     raw_sp = body.get("sampling_params")
     if isinstance(raw_sp, list):
@@ -240,6 +312,28 @@ def parse_generate(body: Any, tokenize) -> GenerateRequest:
     else:
         sp = parse_sampling_params(raw_sp)
         params = [sp] + [dataclasses.replace(sp) for _ in range(num - 1)]
+    for p in params:
+        if p.n > limits.max_sampling_n:
+            raise RequestError(f"sampling_params.n={p.n} is above this server's limit "
+                               f"max_sampling_n={limits.max_sampling_n} (--max-sampling-n)")
+    num_seqs = sum(p.n for p in params)
+    if num_seqs > limits.max_batch_size:
+        raise RequestError(f"this request asks for {num_seqs} sequences ({num} prompt(s) x n), above this server's "
+                           f"limit max_batch_size={limits.max_batch_size} (--max-batch-size); split it into smaller requests")
+
+    if texts is not None:
+        for i, t in enumerate(texts):
+            if len(t) > limits.max_prompt_chars:
+                raise RequestError(f"text[{i}] has {len(t)} characters, above this server's limit "
+                                   f"max_prompt_chars={limits.max_prompt_chars} (--max-prompt-chars)")
+        prompts = []
+        for i, t in enumerate(texts):  # each checked as soon as tokenized: a refusal stops the work
+            prompts.append(_check_prompt_len(i, tokenize(t), limits))
+            if not prompts[-1]:
+                raise RequestError(f"text[{i}] tokenizes to zero tokens.")
+    else:
+        prompts = [_check_prompt_len(i, _check_ids(ids, "input_ids" if single else f"input_ids[{i}]"), limits)
+                   for i, ids in enumerate(prompts)]
 
     rid = body.get("rid")
     if rid is None:
@@ -275,7 +369,7 @@ def parse_generate(body: Any, tokenize) -> GenerateRequest:
         for j in range(n):
             # SGLang gives every sample of an n > 1 request a fresh random rid.
             item_rid = rids[i] if n == 1 else uuid.uuid4().hex
-            items.append(GenerateItem(input_ids=list(prompts[i]), params=params[i], rid=item_rid,
+            items.append(GenerateItem(input_ids=prompts[i], params=params[i], rid=item_rid,
                                       return_logprob=bool(ret_lp[i]), logprob_start_len=int(start[i]),
                                       top_logprobs_num=int(top[i]), return_text_in_logprobs=bool(rtext[i])))
     single_reply = single and params[0].n == 1
@@ -292,6 +386,9 @@ def check_context(item: GenerateItem, context_length: int) -> None:
     sp = item.params
     if sp.max_new_tokens is None:
         sp.max_new_tokens = context_length - num_in
+        if sp.min_new_tokens > sp.max_new_tokens:
+            raise RequestError(f"min_new_tokens must be in [0, max_new_tokens({sp.max_new_tokens})], "
+                               f"got {sp.min_new_tokens}.")
     elif num_in + sp.max_new_tokens > context_length:
         raise RequestError(
             f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import re
 import threading
 import time
 from typing import Callable, Optional
@@ -10,6 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_bapo.server.protocol import GenerateItem
+from megatron_bapo.server.sampling import top_logprobs
 
 
 @dataclasses.dataclass(eq=False)
@@ -33,6 +36,8 @@ class Req:
     cached_tokens: int = 0
     num_retractions: int = 0
     started: bool = False
+    running: bool = False
+    """In the engine's running batch (False while waiting, retracted, or finished)."""
     t_start: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
@@ -41,24 +46,61 @@ class Req:
 
 
 class LockedTokenizer:
-    """A tokenizer shared by the HTTP thread and the scheduler thread, one call at a time (Rust fast
-    tokenizers raise "Already borrowed" if one thread changes truncation/padding while another encodes)."""
+    """A tokenizer shared by threads, one call at a time per copy (Rust fast tokenizers raise "Already
+    borrowed" if one thread changes truncation/padding while another encodes).
+
+    Encoding (request parsing, in the HTTP pool) and decoding (stop strings in the scheduler, replies
+    in the pool) use two copies with a lock each, so tokenizing a long prompt never holds up the
+    scheduler or a reply."""
 
     def __init__(self, tokenizer):
-        self._tok = tokenizer
-        self._lock = threading.Lock()
+        self._enc = tokenizer
+        self._dec = copy.deepcopy(tokenizer)
+        self._enc_lock = threading.Lock()
+        self._dec_lock = threading.Lock()
 
     def __call__(self, *args, **kwargs):
-        with self._lock:
-            return self._tok(*args, **kwargs)
+        with self._enc_lock:
+            return self._enc(*args, **kwargs)
 
     def decode(self, *args, **kwargs):
-        with self._lock:
-            return self._tok.decode(*args, **kwargs)
+        with self._dec_lock:
+            return self._dec.decode(*args, **kwargs)
 
     def __getattr__(self, name):
-        return getattr(self._tok, name)
+        return getattr(self._dec, name)
 
 
 def abort_reason(message: str) -> dict:
     return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
+def check_finished(req: Req, tok: int, tokenizer) -> Optional[dict]:
+    """The finish reason after `tok` was appended, or None. SGLang's order: length first, then
+    stop/EOS ids (skipped with ignore_eos), then stop strings and `stop_regex` on the decoded tail."""
+    sp = req.item.params
+    if len(req.output_ids) >= sp.max_new_tokens:
+        return {"type": "length", "length": sp.max_new_tokens}
+    if tok in req.stop_ids:
+        return {"type": "stop", "matched": tok}
+    if (sp.stop or sp.stop_regex) and tokenizer is not None:
+        longest = max([len(s) for s in sp.stop] + [64 if sp.stop_regex else 0])
+        tail = tokenizer.decode(req.output_ids[-(longest + 8):], skip_special_tokens=sp.skip_special_tokens)
+        for s in sp.stop:
+            if s in tail:
+                return {"type": "stop", "matched": s}
+        for pattern in sp.stop_regex:
+            if re.search(pattern, tail):
+                return {"type": "stop", "matched": pattern}
+    return None
+
+
+def fill_input_logprobs(req: Req, ctx: list, lp_all: torch.Tensor) -> None:
+    """`input_token_logprobs` (and top ones) from `lp_all` = log-softmax of the prompt's logits [L-1, vocab]."""
+    start = req.item.logprob_start_len
+    num_in = len(req.item.input_ids)
+    entries, tops = [[None, int(ctx[start]), None]], [None]
+    for pos in range(start + 1, num_in):
+        entries.append([float(lp_all[pos - 1, ctx[pos]]), int(ctx[pos]), None])
+        tops.append(top_logprobs(lp_all[pos - 1], req.item.top_logprobs_num) if req.item.top_logprobs_num else None)
+    req.input_logprobs, req.input_top = entries, tops

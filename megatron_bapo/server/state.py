@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
 
 from megatron_bapo.server.config import ServerConfig
 from megatron_bapo.server.engine import Engine
-from megatron_bapo.server.protocol import RequestError
+from megatron_bapo.server.protocol import RequestError, RequestLimits
 
 logger = logging.getLogger(__name__)
+
+POOL_WORKERS = 4
+"""Threads for request parsing/tokenization and reply building. A few large requests occupy them
+and later ones queue behind; the event loop itself (health, loads, aborts) is never among them."""
 
 
 @dataclasses.dataclass
@@ -39,6 +45,15 @@ class ServerState:
     cond: Optional[asyncio.Condition] = None
     update_lock: Optional[asyncio.Lock] = None
     weight_groups: dict = dataclasses.field(default_factory=dict)
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
+    api_key_check: Optional[Callable[[Optional[str]], bool]] = None
+    """None: no API key configured (everything open)."""
+    pool: ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: ThreadPoolExecutor(POOL_WORKERS, thread_name_prefix="bapo-http"))
+
+    async def offload(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` in `pool`, off the event loop (its exceptions propagate)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
 
     def bind_loop(self) -> None:
         """Create the asyncio primitives on the running loop."""
