@@ -126,7 +126,7 @@ class Trainer:
         # Objects (the batch, decisions) travel over a CPU group even when the actor uses NCCL.
         world = self.actor.parallel.world_group
         self.cpu_group = world if dist.get_backend(world) == "gloo" else dist.new_group(backend="gloo")
-        resume_from = run_state.latest_checkpoint(self.output_dir) if cfg.trainer.resume else None
+        resume_from = run_state.resume_checkpoint(self.output_dir, group=self.cpu_group) if cfg.trainer.resume else None
         state: dict[str, Any] = {}
         if resume_from is not None:
             logger.info("resuming from %s", resume_from)
