@@ -72,6 +72,19 @@ def test_bad_rows_and_long_prompts_are_skipped_and_counted(tmp_path, tok):
         PromptDataset(DatasetConfig(path=only_bad, max_prompt_tokens=100), tok)
 
 
+def test_undecodable_bytes_are_one_bad_row_not_a_dead_run(tmp_path, tok):
+    """A stray non-UTF-8 byte (a Latin-1 export, a truncated multibyte character) used to raise
+    UnicodeDecodeError at a buffer offset and kill the run; now its line is skipped and counted."""
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps(r).encode() for r in GOOD[:4]]
+    lines.insert(2, b'{"prompt": "caf\xe9 1+1=", "answer": "2"}')  # Latin-1 e-acute: invalid UTF-8
+    lines.append(b'{"prompt": "\xf0\x9f", "answer": "1"}')  # a truncated 4-byte sequence
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    ds = PromptDataset(DatasetConfig(path=str(path), shuffle=False, apply_chat_template=False), tok)
+    assert len(ds) == 4 and ds.num_rows == 6 and ds.num_bad_rows == 2
+    assert [p.index for p in ds.next_batch(4)] == [0, 1, 3, 4]  # row indices keep the file's line order
+
+
 def test_order_is_seeded_per_epoch_and_resumes_exactly(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", GOOD)
     cfg = DatasetConfig(path=path, seed=3)

@@ -186,13 +186,18 @@ def read_rows(path: str | Path, *, max_rows: Optional[int] = None) -> Iterator[A
                 count += 1
                 yield row
         return
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:  # bytes: one undecodable line is one bad row, not a dead run
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             if max_rows is not None and count >= max_rows:
                 return
             count += 1
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield BadRow(f"line {lineno} is not UTF-8 ({exc.reason} at byte {exc.start})")
+                continue
             try:
                 yield json.loads(line)
             except ValueError as exc:
