@@ -14,9 +14,14 @@ import torch
 
 from megatron_bapo.algorithms import dr_grpo_advantages, grpo_advantages, uniform_group_mask
 from megatron_bapo.rewards import score_batch
+from megatron_bapo.rewards.types import REWARD_FN_FAILURES
 from megatron_bapo.rollout.batch import build_batch
 
 logger = logging.getLogger(__name__)
+
+
+class RewardFailure(RuntimeError):
+    """The reward function failed on too many responses of a step (reward.max_failure_rate)."""
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, eps: float) -> torch.Tensor:
@@ -50,7 +55,18 @@ def build_experience(
     samples = [s for g in groups for s in g.samples]
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     answers = [g.prompt.answer for g in groups for _ in g.samples]
-    scores = score_batch(reward_cfg.fn, texts, answers, num_workers=reward_cfg.num_workers, detailed=False)
+    scores = score_batch(reward_cfg.fn, texts, answers, num_workers=reward_cfg.num_workers, detailed=False,
+                         timeout_s=reward_cfg.timeout_s)
+    fn_failures = [r for r in scores.results if r.reward_fn_failed]
+    if fn_failures:
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(scores.failure_counts.items()) if k in REWARD_FN_FAILURES)
+        examples = "; ".join(sorted({r.error or r.reason for r in fn_failures})[:3])
+        message = (f"reward {reward_cfg.fn!r} failed on {len(fn_failures)} of {len(samples)} responses ({counts}); "
+                   f"e.g. {examples}")
+        if len(fn_failures) > reward_cfg.max_failure_rate * len(samples):
+            raise RewardFailure(f"{message}. Fix reward.fn (a failure scores 0, so training on it would learn "
+                                f"nothing), or raise reward.max_failure_rate={reward_cfg.max_failure_rate}")
+        logger.warning(message)
     rewards = torch.tensor(scores.rewards, dtype=torch.float64)
     for s, r in zip(samples, scores.rewards):
         s.reward = float(r)
@@ -59,6 +75,7 @@ def build_experience(
         "rollout/reward_std": float(rewards.std(unbiased=False)),
         "rollout/accuracy": float((rewards >= 1.0).double().mean()),
         "reward/num_failed": float(scores.num_failed),
+        "reward/num_fn_failures": float(len(fn_failures)),
     })
     advantages = group_advantages(rewards, group_size, adv_cfg.estimator, adv_cfg.eps)
     uniform = uniform_group_mask(rewards, group_size)

@@ -317,3 +317,28 @@ def test_dead_worker_process_is_replaced():
     idle[0].process.wait(timeout=30)
     assert in_thread("\\boxed{0.5}", "\\frac{1}{2}").reason == "correct"
     assert pool._idle.queue[0].process.pid != idle[0].process.pid
+
+
+def test_plugin_reward_that_hangs_times_out_and_one_that_raises_says_why(tmp_path, monkeypatch):
+    """Plugin rewards run in worker processes: a call still running after timeout_s is killed and
+    scores 0 ("timeout") instead of hanging the run; an exception scores 0 with its text kept."""
+    import sys
+    import time
+
+    (tmp_path / "hang_reward_mod.py").write_text(
+        "import time\n"
+        "def reward(response, answer):\n"
+        "    if response == 'hang':\n"
+        "        time.sleep(600)\n"
+        "    if response == 'raise':\n"
+        "        raise ValueError('no such answer format')\n"
+        "    return float(response == answer)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + ":" + ":".join(sys.path))
+    started = time.monotonic()
+    scores = score_batch("hang_reward_mod:reward", ["1", "hang", "raise", "2"], ["1", "1", "1", "1"], timeout_s=2.0)
+    assert time.monotonic() - started < 30
+    assert [r.reason for r in scores.results] == ["scored", "timeout", "error", "scored"]
+    assert scores.rewards == [1.0, 0.0, 0.0, 0.0]
+    assert "no such answer format" in scores.results[2].error and "timeout_s" in scores.results[1].error
+    assert scores.num_fn_failures == 2

@@ -17,7 +17,7 @@ import importlib
 import logging
 from math import isfinite  # not `import math`: the submodule `rewards.math` would shadow it
 from collections import Counter
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from megatron_bapo.rewards.types import DetailedRewardFn, RewardFn, RewardResult
 
@@ -93,13 +93,13 @@ class _Wrapped:
     def __call__(self, response: str, answer: str) -> RewardResult:
         try:
             value = self.fn(response, answer)
-        except Exception:  # a plugin bug must not stop training; it is counted instead
+        except Exception as exc:  # a plugin bug must not stop training by itself; it is counted
             logger.debug("reward %r raised", self.fn, exc_info=True)
-            return RewardResult(0.0, "error", None, failed=True)
+            return RewardResult(0.0, "error", None, failed=True, error=f"{type(exc).__name__}: {exc}"[:500])
         if isinstance(value, bool):
             value = float(value)
         if not isinstance(value, (int, float)) or not isfinite(value):
-            return RewardResult(0.0, "invalid_reward", None, failed=True)
+            return RewardResult(0.0, "invalid_reward", None, failed=True, error=f"returned {value!r}, not a finite number"[:500])
         return RewardResult(float(value), "scored")
 
 
@@ -121,6 +121,11 @@ class BatchScores:
     def failure_counts(self) -> dict[str, int]:
         return dict(Counter(r.reason for r in self.results if r.failed))
 
+    @property
+    def num_fn_failures(self) -> int:
+        """Responses the reward function itself could not score (raised, hung, non-finite)."""
+        return sum(r.reward_fn_failed for r in self.results)
+
 
 def score_batch(
     reward: Union[str, RewardFn, DetailedRewardFn],
@@ -129,18 +134,27 @@ def score_batch(
     *,
     num_workers: int = 0,
     detailed: bool = False,
+    timeout_s: Optional[float] = None,
 ) -> BatchScores:
     """Score `responses[i]` against `answers[i]` for all i; never raises on a bad response.
 
     `reward` is a spec string, a `RewardFn`, or (with `detailed=True`) a function returning
     `RewardResult`. `num_workers > 0` scores on a thread pool (the math reward then checks in
-    worker processes with hard timeouts); 0 scores in the calling thread.
+    worker processes with hard timeouts); 0 scores in the calling thread. With `timeout_s`, a
+    plugin spec ("package.module:function") runs in worker processes (`rewards.sandbox`) and a
+    call still running after `timeout_s` scores 0 as "timeout".
     """
     if len(responses) != len(answers):
         raise ValueError(f"score_batch: {len(responses)} responses but {len(answers)} answers")
     if num_workers < 0:
         raise ValueError(f"score_batch: num_workers must be >= 0, got {num_workers}")
-    fn: DetailedRewardFn = reward if detailed and callable(reward) else load_detailed_reward_fn(reward)  # type: ignore[arg-type]
+    if timeout_s is not None and isinstance(reward, str) and reward.strip() not in BUILTIN_REWARDS:
+        load_reward_fn(reward)  # a bad spec fails here, naming it, not in every worker
+        from megatron_bapo.rewards.sandbox import SandboxedReward
+
+        fn: DetailedRewardFn = SandboxedReward(reward.strip(), timeout_s=timeout_s, num_workers=max(num_workers, 1))
+    else:
+        fn = reward if detailed and callable(reward) else load_detailed_reward_fn(reward)  # type: ignore[assignment]
     if num_workers == 0 or len(responses) <= 1:
         return BatchScores([fn(r, a) for r, a in zip(responses, answers)])
     with concurrent.futures.ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="reward") as pool:

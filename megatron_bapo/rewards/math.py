@@ -14,20 +14,15 @@ Every response gets a `RewardResult`; missing, malformed or too-slow answers sco
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
-import json
 import logging
-import queue
-import select
 import signal
-import subprocess
-import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
+from megatron_bapo.rewards import workers
 from megatron_bapo.rewards.extract import extract_answer, find_boxed
 from megatron_bapo.rewards.types import RewardResult
 
@@ -155,7 +150,7 @@ def score_math(response: str, answer: str, config: MathRewardConfig = DEFAULT_CO
         return RewardResult(0.0, "answer_too_long", extracted[:64] + "...", failed=True)
     if threading.current_thread() is threading.main_thread():
         return _score_with_alarm(extracted, answer, config.timeout_s)
-    return _worker_pool(config.num_workers).score(extracted, answer, config.timeout_s)
+    return _score_in_worker(extracted, answer, config.timeout_s, config.num_workers)
 
 
 def math_reward(response: str, answer: str) -> float:
@@ -178,135 +173,31 @@ def math_last_number_reward(response: str, answer: str) -> float:
 
 # ---------------------------------------------------------------- worker processes (non-main threads)
 
-_STARTUP_TIMEOUT_S = 120.0
 _KILL_GRACE_S = 5.0
+_WORKER_ARGS = ("-m", "megatron_bapo.rewards.math")
 
 
 def worker_main() -> None:
     """Worker process loop (`python -m megatron_bapo.rewards.math`): one JSON request per stdin line,
-    one JSON `RewardResult` per stdout line. A plain subprocess, not `multiprocessing`, so the
-    parent's `__main__` is never re-imported (scripts without a main guard keep working)."""
+    one JSON `RewardResult` per stdout line (`rewards.workers` protocol)."""
     _math_verify()
-    out = sys.stdout
-    out.write("ready\n")
-    out.flush()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        req = json.loads(line)
-        result = _score_with_alarm(req["extracted"], req["answer"], float(req["timeout_s"]))
-        out.write(json.dumps(dataclasses.asdict(result)) + "\n")
-        out.flush()
+    workers.serve(lambda req: dataclasses.asdict(
+        _score_with_alarm(req["extracted"], req["answer"], float(req["timeout_s"]))))
 
 
-class _Worker:
-    def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "megatron_bapo.rewards.math"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-        )
-        if self._readline(_STARTUP_TIMEOUT_S) != "ready":
-            self.kill()
-            raise RuntimeError("math-verify worker process did not start")
-
-    def _readline(self, timeout_s: float) -> Optional[str]:
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
-        if not ready:
-            return None
-        line = self.process.stdout.readline()
-        return line.strip() if line else None
-
-    def request(self, extracted: str, answer: str, timeout_s: float) -> Optional[RewardResult]:
-        """The worker's result, or None when it is stuck or dead (the caller then kills it)."""
-        try:
-            req = {"extracted": extracted, "answer": answer, "timeout_s": timeout_s}
-            self.process.stdin.write(json.dumps(req) + "\n")
-            self.process.stdin.flush()
-        except OSError:
-            return None
-        # The worker's own alarm fires at timeout_s; the grace covers IPC and a loaded machine.
-        line = self._readline(timeout_s + _KILL_GRACE_S)
-        if not line:
-            return None
-        return RewardResult(**json.loads(line))
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()  # our own child, by its handle
-        self.process.wait(timeout=_KILL_GRACE_S)
-        for stream in (self.process.stdin, self.process.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
+def _worker_pool(size: int) -> workers.WorkerPool:
+    return workers.worker_pool(_WORKER_ARGS, size, "math-verify")
 
 
-class _WorkerPool:
-    """Scoring subprocesses shared by all non-main threads; a stuck one is killed and replaced."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._idle: queue.Queue[_Worker] = queue.Queue()
-        self._slots = threading.Semaphore(size)
-
-    def score(self, extracted: str, answer: str, timeout_s: float) -> RewardResult:
-        with self._slots:
-            for attempt in range(2):
-                try:
-                    worker = self._idle.get_nowait()
-                except queue.Empty:
-                    try:
-                        worker = _Worker()
-                    except Exception as exc:
-                        logger.error("cannot start a math-verify worker: %r", exc)
-                        return RewardResult(0.0, "error", extracted, failed=True)
-                was_alive = worker.process.poll() is None
-                result = worker.request(extracted, answer, timeout_s)
-                if result is not None:
-                    self._idle.put(worker)
-                    return result
-                worker.kill()
-                if was_alive and worker.process.returncode == -signal.SIGKILL:
-                    # We killed it: it was still working past the deadline.
-                    logger.warning("math-verify worker stuck on %r past %.1fs; killed", extracted[:64], timeout_s)
-                    return RewardResult(0.0, "timeout", extracted, failed=True)
-                # It had died on its own (OOM killer, a signal): try once more on a fresh worker.
-                logger.warning("math-verify worker %d died (rc %s); replacing it", worker.process.pid,
-                               worker.process.returncode)
-            return RewardResult(0.0, "error", extracted, failed=True)
-
-    def close(self) -> None:
-        while True:
-            try:
-                self._idle.get_nowait().kill()
-            except queue.Empty:
-                return
-
-
-_POOLS: dict[int, _WorkerPool] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _worker_pool(size: int) -> _WorkerPool:
-    with _POOLS_LOCK:
-        pool = _POOLS.get(size)
-        if pool is None:
-            pool = _POOLS[size] = _WorkerPool(size)
-        return pool
-
-
-def cleanup_workers() -> None:
-    """Stop idle worker processes (also done at exit)."""
-    with _POOLS_LOCK:
-        for pool in _POOLS.values():
-            pool.close()
-        _POOLS.clear()
-
-
-atexit.register(cleanup_workers)
+def _score_in_worker(extracted: str, answer: str, timeout_s: float, num_workers: int) -> RewardResult:
+    """In a worker process (its own alarm fires at timeout_s; the grace covers IPC and a loaded machine)."""
+    reply, status = _worker_pool(num_workers).call({"extracted": extracted, "answer": answer, "timeout_s": timeout_s},
+                                                   timeout_s + _KILL_GRACE_S)
+    if status == "ok":
+        return RewardResult(**reply)
+    if status == "timeout":
+        logger.warning("math-verify worker stuck on %r past %.1fs; killed", extracted[:64], timeout_s)
+    return RewardResult(0.0, status, extracted, failed=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,17 @@ class RewardResult:
     extracted: Optional[str] = None
     """The answer string taken from the response (None when none was found)."""
     failed: bool = False
+    error: Optional[str] = None
+    """What went wrong when the reward function itself failed (exception text, invalid value, timeout)."""
+
+    @property
+    def reward_fn_failed(self) -> bool:
+        """The reward function could not score (raised, hung, returned a non-number), as opposed to
+        the response having no valid answer: what `reward.max_failure_rate` limits."""
+        return self.reason in REWARD_FN_FAILURES
+
+
+REWARD_FN_FAILURES = frozenset({"error", "timeout", "invalid_reward"})
 
 
 DetailedRewardFn = Callable[[str, str], RewardResult]
