@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import random
 import threading
 import time
@@ -41,6 +42,8 @@ from megatron_bapo.rollout.types import GenerateResult
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+API_KEY_ENV = "ROLLOUT_API_KEY"
+"""Environment variable holding the servers' API key when `RolloutClientConfig.api_key` is unset."""
 # Statuses worth retrying elsewhere even though they are 4xx: timeouts and rate limits.
 _RETRYABLE_4XX = frozenset({408, 429})
 
@@ -78,6 +81,7 @@ class RolloutClient(ControlMixin):
         if not config.urls and not config.router_url:
             raise ValueError("RolloutClient needs server URLs (rollout.client.urls) or a router (rollout.client.router_url)")
         self.config = config
+        self.api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
         self._per_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple]" = weakref.WeakKeyDictionary()
         self._background: Optional[_LoopThread] = None
         self._unhealthy_until: dict[str, float] = {u: 0.0 for u in config.urls}
@@ -116,7 +120,7 @@ class RolloutClient(ControlMixin):
         loop = asyncio.get_running_loop()
         state = self._per_loop.get(loop)
         if state is None or state[0].closed:
-            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             # limit=0: the semaphore caps concurrency; the pool must not queue requests behind it.
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
             state = (session, asyncio.Semaphore(self.config.max_concurrency))
@@ -156,10 +160,15 @@ class RolloutClient(ControlMixin):
         return min(healthy, key=lambda u: (self._in_flight[u], random.random()))
 
     def _mark_unhealthy(self, url: str, reason: str) -> None:
+        """No new requests to `url` for a cooldown; one WARNING when it turns unhealthy (a dead server
+        fails every request sent to it: one line per request would drown the log)."""
         if url in self._unhealthy_until:
-            self._unhealthy_until[url] = time.monotonic() + self.config.unhealthy_cooldown_s
-            logger.warning("rollout server %s marked unhealthy for %.0f s: %s", url,
-                           self.config.unhealthy_cooldown_s, reason)
+            now = time.monotonic()
+            was_healthy = self._unhealthy_until[url] <= now
+            self._unhealthy_until[url] = now + self.config.unhealthy_cooldown_s
+            if was_healthy:
+                logger.warning("rollout server %s marked unhealthy for %.0f s: %s", url,
+                               self.config.unhealthy_cooldown_s, reason)
 
     def healthy_urls(self) -> list[str]:
         now = time.monotonic()
@@ -204,12 +213,13 @@ class RolloutClient(ControlMixin):
                 except (aiohttp.ClientError, asyncio.TimeoutError, ProtocolError, OSError) as exc:
                     last_error = exc
                     self._mark_unhealthy(url, repr(exc))
-                    logger.warning("generate on %s failed (attempt %d/%d): %r", url, attempt + 1,
-                                   self.config.max_retries + 1, exc)
+                    logger.debug("generate on %s failed (attempt %d/%d): %r", url, attempt + 1,
+                                 self.config.max_retries + 1, exc)
                     if isinstance(exc, asyncio.TimeoutError):
                         asyncio.ensure_future(self._abort_quietly(url, rid))
-        raise RolloutError(f"/generate failed after {self.config.max_retries + 1} attempts "
-                           f"(servers {self.config.urls or [self.config.router_url]}): {last_error!r}")
+        down = [u for u in self.config.urls if self._unhealthy_until[u] > time.monotonic()]
+        raise RolloutError(f"/generate failed after {self.config.max_retries + 1} attempts, the last on {last_url}: "
+                           f"{last_error!r}; servers failing now: {down or [last_url]}")
 
     async def _post_generate(self, session: aiohttp.ClientSession, url: str, rid: str, payload: dict) -> GenerateResult:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)

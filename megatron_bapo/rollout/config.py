@@ -53,7 +53,9 @@ class RolloutClientConfig:
     flush_cache_timeout_s: float = 60.0
     """`flush_cache` polls (1 s apart) until a 200 or this long."""
     api_key: Optional[str] = None
-    """Sent as `Authorization: Bearer <key>` when set."""
+    """Sent as `Authorization: Bearer <key>` on every call (generation, control, weight sync,
+    evaluation) when set; unset: the `ROLLOUT_API_KEY` environment variable, if any (keeps the key
+    out of config files and run directories)."""
 
     def __post_init__(self) -> None:
         self.urls = [str(u).rstrip("/") for u in self.urls]

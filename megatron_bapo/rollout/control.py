@@ -151,19 +151,26 @@ class ControlMixin:
         self.run(self.aflush_cache())
 
     async def aupdate_weights_from_disk(self, model_path: str, weight_version: int, *,
-                                        abort_all_requests: bool = False) -> None:
-        """Every worker loads the HF checkpoint at `model_path` and reports `weight_version`.
+                                        abort_all_requests: bool = False, only: Optional[list[str]] = None) -> None:
+        """Every worker (or the workers in `only`) loads the HF checkpoint at `model_path` and reports
+        `weight_version`.
 
         Raises RolloutError naming each worker that failed (unreachable, 400, success false): a
         worker left on old weights would silently serve a different policy.
         """
         body = {"model_path": str(model_path), "weight_version": str(int(weight_version)),
                 "abort_all_requests": abort_all_requests}
-        await self._each_or_raise("update_weights_from_disk",
-                                  lambda u: self._expect_success(u, "/update_weights_from_disk", body))
 
-    def update_weights_from_disk(self, model_path: str, weight_version: int, *, abort_all_requests: bool = False) -> None:
-        self.run(self.aupdate_weights_from_disk(model_path, weight_version, abort_all_requests=abort_all_requests))
+        async def one(url: str) -> Any:
+            if only is not None and url not in only:
+                return None
+            return await self._expect_success(url, "/update_weights_from_disk", body)
+        await self._each_or_raise("update_weights_from_disk", one)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: int, *, abort_all_requests: bool = False,
+                                 only: Optional[list[str]] = None) -> None:
+        self.run(self.aupdate_weights_from_disk(model_path, weight_version, abort_all_requests=abort_all_requests,
+                                                only=only))
 
     async def aget_server_info(self) -> dict[str, dict]:
         """`/get_server_info` of every worker (e.g. its `tp_size` for the distributed weight group)."""

@@ -54,6 +54,8 @@ class PartialRolloutManager:
         self.buffer: list[RolloutGroup] = []
         self.totals: dict[str, int] = {k: 0 for k in _COUNTERS}
         self.last_metrics: dict[str, float] = {}
+        self.last_rejections: list[str] = []
+        """The servers' messages for the requests of the last step they rejected (4xx)."""
         self._warned_version = False
 
     # ------------------------------------------------------------------ stepping
@@ -98,15 +100,19 @@ class PartialRolloutManager:
 
         results = await asyncio.gather(*(self._segment(s, seed) for s, seed in jobs), return_exceptions=True)
         errors: list[BaseException] = []
+        self.last_rejections = []
         for (s, _), res in zip(jobs, results):
             if isinstance(res, RequestRejected):
                 s.state, s.error = SampleState.FAILED, str(res)
-                logger.warning("rollout request rejected, its group is dropped: %s", res)
+                self.last_rejections.append(str(res))
             elif isinstance(res, BaseException):
                 errors.append(res)  # the sample keeps its previous state and is retried next step
             else:
                 self._apply(s, res, version, step)
 
+        if self.last_rejections:  # one line per step, not one per request
+            logger.warning("%d rollout request(s) rejected (4xx), their groups dropped; first: %s",
+                           len(self.last_rejections), self.last_rejections[0])
         finished, failed, kept = [], [], []
         for group in self.buffer:
             (failed if group.failed else finished if group.finished else kept).append(group)

@@ -40,15 +40,18 @@ class RolloutRound:
     prompts: list[Prompt]
     groups: list[RolloutGroup]
     metrics: dict[str, float] = field(default_factory=dict)
+    rejections: list[str] = field(default_factory=list)
+    """The servers' messages for requests they rejected (4xx) in this round (their groups were dropped)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompts": [p.to_dict() for p in self.prompts], "groups": [g.to_dict() for g in self.groups],
-                "metrics": dict(self.metrics)}
+                "metrics": dict(self.metrics), "rejections": list(self.rejections)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RolloutRound":
         return cls(prompts=[Prompt.from_dict(p) for p in d["prompts"]],
-                   groups=[RolloutGroup.from_dict(g) for g in d["groups"]], metrics=dict(d.get("metrics", {})))
+                   groups=[RolloutGroup.from_dict(g) for g in d["groups"]], metrics=dict(d.get("metrics", {})),
+                   rejections=list(d.get("rejections", [])))
 
 
 class RolloutProducer:
@@ -69,6 +72,8 @@ class RolloutProducer:
         self._error: Optional[BaseException] = None
         self._task: Optional[asyncio.Task] = None
         self._cond = asyncio.Condition()  # binds to the client's loop on first use
+        self._unrecorded: list[Prompt] = []
+        """Prompts drawn by rounds that failed (their groups are buffered); reported by the next round."""
 
     # ------------------------------------------------------------------ the producing task
     async def _run(self) -> None:
@@ -78,11 +83,16 @@ class RolloutProducer:
                 await cond.wait_for(lambda: not self._paused and self.produced < self.requested + self.ahead)
                 self._busy = True
                 version = self.version
+            prompts: list[Prompt] = []
             try:
                 prompts = list(self.draw())
                 groups = await self.manager.astep(prompts, version)
-                done = RolloutRound(prompts=prompts, groups=groups, metrics=dict(self.manager.last_metrics))
+                done = RolloutRound(prompts=self._unrecorded + prompts, groups=groups,
+                                    metrics=dict(self.manager.last_metrics), rejections=list(self.manager.last_rejections))
+                self._unrecorded = []
             except BaseException as exc:  # noqa: BLE001 - handed to the trainer thread by next()
+                # The failed round's prompts are buffered (their groups opened): the next round reports them.
+                self._unrecorded += prompts
                 async with cond:
                     self._error, self._busy = exc, False
                     cond.notify_all()
@@ -108,6 +118,7 @@ class RolloutProducer:
             self._cond.notify_all()
             await self._cond.wait_for(lambda: self.ready or self._error is not None)
             if not self.ready:
+                self.requested -= 1  # not handed over: asking again after a restart is the same request
                 raise self._error
             done = self.ready.pop(0)
         done.groups = self._drop_stale(done.groups, version)
@@ -162,6 +173,15 @@ class RolloutProducer:
     def resume(self) -> None:
         self.client.run(self._resume())
 
+    async def _restart(self) -> None:
+        async with self._cond:
+            self._error = None
+        self._task = asyncio.ensure_future(self._run())
+
+    def restart(self) -> None:
+        """Produce again after a failed round (its groups stayed in the buffer: nothing is lost)."""
+        self.client.run(self._restart())
+
     def stop(self) -> None:
         """Cancel the producing task (in-flight requests are aborted by the caller)."""
         if self._task is not None:
@@ -173,9 +193,10 @@ class RolloutProducer:
         """JSON-safe: finished rounds not handed over yet (call while paused; the buffer is the manager's)."""
         if self._busy:
             raise RuntimeError("RolloutProducer.state_dict while a round runs; pause() first")
-        return {"ready": [r.to_dict() for r in self.ready]}
+        return {"ready": [r.to_dict() for r in self.ready], "unrecorded": [p.to_dict() for p in self._unrecorded]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Before `start()`: the saved rounds are handed over first, in order."""
         self.ready = [RolloutRound.from_dict(r) for r in state.get("ready", [])]
+        self._unrecorded = [Prompt.from_dict(p) for p in state.get("unrecorded", [])]
         self.produced = len(self.ready)

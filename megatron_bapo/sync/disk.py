@@ -43,14 +43,19 @@ class DiskWeightSync:
         save_model_as_hf(self.actor.model, self.hf_config, target, tokenizer_src=self.tokenizer_src,
                          max_shard_bytes=int(self.config.bucket_bytes), parallel=self.actor.parallel)
         if self.is_driver:
-            with paused(self.client, self.config.pause_mode):
-                self.client.update_weights_from_disk(str(target.absolute()), version)
+            self.publish(version)
             keep = int(getattr(self.config, "keep_versions", 2))
             versions = sorted(p for p in self.root.glob("v*") if p.is_dir() and not p.name.endswith(".tmp"))
             for old in versions[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-            logger.info("weight sync v%s: %s loaded", version, target)
         return target
+
+    def publish(self, version: int) -> None:
+        """Rank 0: make every server load the written `version` (again, after a server restart)."""
+        target = self.root / f"v{version:06d}"
+        with paused(self.client, self.config.pause_mode):
+            self.client.update_weights_from_disk(str(target.absolute()), version)
+        logger.info("weight sync v%s: %s loaded", version, target)
 
     def close(self) -> None:
         """Nothing to release (the client belongs to the caller)."""

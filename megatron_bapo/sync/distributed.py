@@ -92,6 +92,11 @@ class DistributedWeightSync:
         device = torch.device("cuda", torch.cuda.current_device()) if self.config.backend == "nccl" else torch.device("cpu")
         return self._sender.send([[(name, t.to(device)) for name, t in bucket]], weight_version=version)
 
+    def reset_servers(self) -> None:
+        """Rebuild the weight group at the next sync (rank 0: a server was restarted, so the group
+        it belonged to is broken)."""
+        self.close()
+
     def close(self) -> None:
         """Leave the group on every server and here (best effort)."""
         if self._sender is not None:
