@@ -94,12 +94,22 @@ class RolloutConfig(PartialRolloutConfig):
     client: RolloutClientConfig = field(default_factory=RolloutClientConfig)
     """Servers, router, concurrency, timeouts, retries, API key (`client.health_timeout_s` also bounds
     the built-in servers' start)."""
+    max_failed_group_rate: float = 0.5
+    """A step in which the servers rejected (4xx) the requests of more than this fraction of the
+    groups it finished or dropped stops the run with their message (a setting, not the data, is
+    wrong); 1 disables."""
+    max_server_restarts: int = 3
+    """Times the trainer restarts a built-in server that died (each restart counted and logged)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("prompts_per_step", "num_builtin_servers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.max_failed_group_rate <= 1:
+            raise ConfigError(f"rollout.max_failed_group_rate must be in (0, 1], got {self.max_failed_group_rate}")
+        if self.max_server_restarts < 0:
+            raise ConfigError(f"rollout.max_server_restarts must be >= 0, got {self.max_server_restarts}")
         sp = self.sampling
         if sp.temperature <= 0:
             raise ConfigError(f"rollout.sampling.temperature must be > 0 for RL sampling, got {sp.temperature}")
@@ -124,6 +134,20 @@ class RewardConfig:
     """Built-in name ("math", "math_last_number", "arithmetic") or "package.module:function"."""
     num_workers: int = 4
     """Threads scoring in parallel (the math reward checks in worker processes with timeouts)."""
+    timeout_s: float = 60.0
+    """A plugin reward runs in worker processes; a call still running after this scores 0 ("timeout")."""
+    max_failure_rate: float = 0.5
+    """A step where the reward FUNCTION failed (raised, timed out, returned a non-number) on more
+    than this fraction of the responses stops the run, naming the reward and sample errors; 1
+    disables. (Responses without a valid answer are not failures of the function.)"""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ConfigError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 < self.max_failure_rate <= 1:
+            raise ConfigError(f"reward.max_failure_rate must be in (0, 1], got {self.max_failure_rate}")
+        if self.num_workers < 0:
+            raise ConfigError(f"reward.num_workers must be >= 0, got {self.num_workers}")
 
 
 @dataclass
@@ -233,5 +257,9 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
 
 
 def dump_run_config(config: RunConfig) -> str:
-    """The resolved config as YAML (written next to every run so it can be reproduced)."""
-    return yaml.safe_dump(to_dict(config), sort_keys=False)
+    """The resolved config as YAML (written next to every run so it can be reproduced); a secret
+    (`rollout.client.api_key`) is masked, never written to the run directory."""
+    data = to_dict(config)
+    if data["rollout"]["client"].get("api_key"):
+        data["rollout"]["client"]["api_key"] = "***"
+    return yaml.safe_dump(data, sort_keys=False)

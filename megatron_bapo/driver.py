@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import logging
 import time
 from pathlib import Path
@@ -28,8 +29,10 @@ from typing import Any, Optional
 
 from megatron_bapo import run_state
 from megatron_bapo.config import RunConfig
+from megatron_bapo.config_io import ConfigError
 from megatron_bapo.experience import build_experience
 from megatron_bapo.metrics import MetricsWriter
+from megatron_bapo.rollout.client import API_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class Driver:
         from megatron_bapo.rollout.producer import RolloutProducer
 
         cfg, ro = self.config, self.config.rollout
+        self._preflight()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
         client_cfg = ro.client
@@ -62,6 +66,7 @@ class Driver:
             client_cfg = dataclasses.replace(client_cfg, urls=self._start_builtin_servers())
         self.client = RolloutClient(client_cfg)
         self.client.wait_healthy()
+        self._check_context()
         manager = PartialRolloutManager(self.client, ro, seed=cfg.trainer.seed)
         self.producer = RolloutProducer(self.client, manager, lambda: self.dataset.next_batch(ro.prompts_per_step),
                                         ahead=cfg.trainer.async_steps, version=version)
@@ -72,27 +77,103 @@ class Driver:
         self.writer = MetricsWriter(self.output_dir / "tb", purge_step=step + 1 if state else None)
         self.ledger = SampleLedger(self.output_dir / "samples.jsonl", resume_step=step if state else None)
 
+    def _preflight(self) -> None:
+        """What would otherwise fail only after the model loads (minutes on a cluster): paths and the
+        reward functions. Errors name the field and are one line."""
+        from megatron_bapo.rewards import load_reward_fn
+
+        cfg = self.config
+        if not Path(cfg.data.path).exists():
+            raise ConfigError(f"data.path={cfg.data.path!r} does not exist")
+        load_reward_fn(cfg.reward.fn)  # RewardSpecError naming reward.fn
+        if cfg.eval.every_n_steps and cfg.eval.datasets:
+            for i, ds in enumerate(cfg.eval.datasets):
+                if not Path(ds.path).exists():
+                    raise ConfigError(f"eval.datasets[{i}].path={ds.path!r} does not exist")
+            if isinstance(cfg.eval.reward, str):
+                load_reward_fn(cfg.eval.reward)
+
+    def _check_context(self) -> None:
+        """The longest prompt plus `rollout.max_response_tokens` must fit every server's context;
+        otherwise every request would come back 400 and the run would train nothing."""
+        ro = self.config.rollout
+        longest = max(len(p.prompt_ids) for p in self.dataset.prompts)
+        prompt = max(longest, self.config.data.max_prompt_tokens or 0)
+        for url, info in self.client.run(self.client.aget_server_info()).items():
+            ctx = info.get("context_length") or (info.get("max_req_input_len") or 0) + 1 or None
+            if ctx and ctx > 1 and prompt + ro.max_response_tokens > ctx:
+                raise ConfigError(
+                    f"rollout.max_response_tokens={ro.max_response_tokens} + the longest prompt ({prompt} tokens, "
+                    f"data.max_prompt_tokens={self.config.data.max_prompt_tokens}) = {prompt + ro.max_response_tokens} "
+                    f"exceeds the context length {ctx} of server {url}: every request would be rejected. Lower "
+                    f"rollout.max_response_tokens or data.max_prompt_tokens, or serve a longer context")
+
     def start_rollout(self) -> None:
         """Start producing rounds (after the servers hold the weights to sample from)."""
         self.producer.start()
 
-    def _start_builtin_servers(self) -> list[str]:
+    def _start_server(self, i: int, port: Optional[int] = None) -> Any:
         from megatron_bapo.server.launch import start_server
 
         cfg = self.config
-        for i in range(cfg.rollout.num_builtin_servers):
-            log_path = self.output_dir / "logs" / f"server_{i}.log"
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            self.servers.append(
-                start_server(cfg.model.hf_path, log_path=log_path, startup_timeout_s=cfg.rollout.client.health_timeout_s,
-                             extra_args=["--random-seed", str(cfg.trainer.seed + i),
-                                         "--weight-version", "0"])  # its weights: model.hf_path
-            )
-        urls = [s.url for s in self.servers]
+        log_path = self.output_dir / "logs" / f"server_{i}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        args = ["--random-seed", str(cfg.trainer.seed + i), "--weight-version", "0"]  # its weights: model.hf_path
+        key = cfg.rollout.client.api_key or os.environ.get(API_KEY_ENV)
+        if key:
+            args += ["--api-key", key]
+        return start_server(cfg.model.hf_path, port=port, log_path=log_path, extra_args=args,
+                            startup_timeout_s=cfg.rollout.client.health_timeout_s)
+
+    def _write_servers(self) -> None:
         # PIDs on disk: operators (and the kill-and-resume test) can see what this run started.
         run_state.write_json_atomic(self.output_dir / "servers.json", [{"url": s.url, "pid": s.pid} for s in self.servers])
+
+    def _start_builtin_servers(self) -> list[str]:
+        self.servers = [self._start_server(i) for i in range(self.config.rollout.num_builtin_servers)]
+        self.server_restarts = [0] * len(self.servers)
+        self._write_servers()
+        urls = [s.url for s in self.servers]
         logger.info("built-in rollout servers: %s", ", ".join(urls))
         return urls
+
+    def restart_dead_servers(self, version: int) -> list[str]:
+        """Restart (on the same port) every built-in server whose process died, at most
+        `rollout.max_server_restarts` times each, and give it the newest synced weights when they
+        are on disk. Returns the URLs restarted; raises RolloutError naming a server out of restarts."""
+        from megatron_bapo.rollout.errors import RolloutError
+
+        restarted = []
+        for i, server in enumerate(self.servers):
+            if server.alive():
+                continue
+            if self.server_restarts[i] >= self.config.rollout.max_server_restarts:
+                raise RolloutError(f"built-in server {server.url} died again (exit code {server.proc.returncode}) after "
+                                   f"{self.server_restarts[i]} restart(s) (rollout.max_server_restarts); its log: "
+                                   f"{server.log_path}")
+            self.server_restarts[i] += 1
+            logger.warning("built-in server %s (pid %d) died with exit code %s; restarting it (%d of %d)", server.url,
+                           server.pid, server.proc.returncode, self.server_restarts[i],
+                           self.config.rollout.max_server_restarts)
+            self.servers[i] = self._start_server(i, port=server.port)
+            restarted.append(server.url)
+        if restarted:
+            self._write_servers()
+            latest = self.output_dir / "hf_sync" / f"v{version:06d}"
+            if version > 0 and (latest / "config.json").exists():  # disk sync: serve the newest weights now
+                self.client.update_weights_from_disk(str(latest.absolute()), version, only=restarted)
+            self.client.wait_healthy()
+        return restarted
+
+    def ensure_servers(self, version: int) -> None:
+        """Restart built-in servers that died (before a round and before a weight sync)."""
+        if self.servers and self.restart_dead_servers(version):
+            self._restarted = True
+
+    def take_restarted(self) -> bool:
+        """True once after servers were restarted (a distributed weight group must be rebuilt)."""
+        flag, self._restarted = getattr(self, "_restarted", False), False
+        return flag
 
     def close(self) -> None:
         """Stop producing, close the client, stop the built-in servers (by PID), close the writer."""
@@ -111,9 +192,25 @@ class Driver:
 
     # ------------------------------------------------------------------ one step
     def next_batch(self, step: int, version: int) -> tuple[Optional[dict], dict[str, float]]:
-        """The next finished round as the actor's batch (None when no group is usable) and its metrics."""
+        """The next finished round as the actor's batch (None when no group is usable) and its metrics.
+
+        A built-in server that died is restarted first (and a round that failed because of it is
+        produced again: its samples stayed buffered); a round whose requests the servers mostly
+        rejected stops the run with their message (`rollout.max_failed_group_rate`).
+        """
+        from megatron_bapo.rollout.errors import RolloutError
+
         cfg = self.config
-        done, waited = self.producer.next(version)
+        while True:
+            self.ensure_servers(version)
+            try:
+                done, waited = self.producer.next(version)
+                break
+            except RolloutError:
+                if not self.servers or all(s.alive() for s in self.servers):
+                    raise  # external servers (named in the error), or no dead built-in server to restart
+                self.producer.restart()
+        self._check_rejections(done)
         t0 = time.monotonic()
         batch, metrics = build_experience(done.groups, self.tokenizer, cfg.reward, cfg.advantage,
                                           n_minibatches=cfg.actor.n_minibatches,
@@ -124,6 +221,18 @@ class Driver:
         metrics.update({"timing/rollout_s": done.metrics.get("rollout/step_s", 0.0), "timing/rollout_wait_s": waited,
                         "timing/reward_s": time.monotonic() - t0})
         return batch, metrics
+
+    def _check_rejections(self, done: Any) -> None:
+        from megatron_bapo.rollout.errors import RolloutError
+
+        failed = int(done.metrics.get("rollout/num_groups_failed", 0))
+        total = failed + len(done.groups)
+        if failed and failed > self.config.rollout.max_failed_group_rate * total:
+            raise RolloutError(
+                f"the servers rejected (4xx) the requests of {failed} of {total} groups this step, so they were dropped; "
+                f"first rejection: {done.rejections[0] if done.rejections else '?'}. A setting is wrong (e.g. "
+                f"rollout.max_response_tokens over the servers' context, or a sampling parameter); raise "
+                f"rollout.max_failed_group_rate={self.config.rollout.max_failed_group_rate} to train on regardless")
 
     def published(self, version: int) -> None:
         """The servers serve `version` now."""

@@ -61,14 +61,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # ShardedTensor: notices for megatron-core, printed on every resume, that a user cannot act on.
     for message in ("`load_state_dict` is deprecated", "Please use DTensor instead"):
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    from megatron_bapo.experience import RewardFailure
+    from megatron_bapo.rewards import RewardSpecError
+    from megatron_bapo.rollout.errors import RolloutError
     from megatron_bapo.run_state import CheckpointError
     from megatron_bapo.trainer import Trainer
 
+    # Errors that name their fix are one line (the traceback at DEBUG); anything else is a bug and
+    # keeps its traceback.
+    kinds = {ConfigError: "config error", RewardSpecError: "config error", CheckpointError: "checkpoint error",
+             RewardFailure: "reward error", RolloutError: "rollout error"}
     try:
         history = Trainer(config).run()
-    except CheckpointError as exc:  # damaged checkpoints on resume: the message says what to remove
+    except tuple(kinds) as exc:
         if rank == 0:
-            print(f"checkpoint error: {exc}", file=sys.stderr)
+            logging.getLogger("megatron_bapo.train").debug("stopped", exc_info=True)
+            kind = next(v for k, v in kinds.items() if isinstance(exc, k))
+            print(f"{kind}: {exc}", file=sys.stderr)
         return 2
     if rank == 0 and history:
         first, last = history[0], history[-1]

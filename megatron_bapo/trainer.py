@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from megatron_bapo import run_state
 from megatron_bapo.config import RunConfig, dump_run_config
+from megatron_bapo.config_io import ConfigError
 from megatron_bapo.models.parallel import init_distributed_env
+from megatron_bapo.rollout.errors import RolloutError
 
 logger = logging.getLogger(__name__)
 
@@ -110,41 +112,55 @@ class Trainer:
                 self.driver.close()
 
     def _setup(self) -> None:
+        """Process groups; rank 0 starts the driver (paths, reward, servers, context length checked)
+        BEFORE any rank builds the model, so a wrong setting costs seconds, not a model load; then
+        the actor, resume, the first sync and the rollout."""
         from transformers import AutoConfig
 
         from megatron_bapo.actor import Actor
         from megatron_bapo.convert import load_hf_into_model
         from megatron_bapo.driver import Driver
+        from megatron_bapo.models.parallel import initialize_model_parallel
 
         cfg = self.config
         init_distributed_env()
         hf_path = cfg.model.hf_path
         if not (Path(hf_path) / "config.json").exists():
-            raise FileNotFoundError(f"model.hf_path={hf_path!r} has no config.json; point it at an HF checkpoint directory")
+            raise ConfigError(f"model.hf_path={hf_path!r} has no config.json; point it at an HF checkpoint directory")
         self.hf_config = AutoConfig.from_pretrained(hf_path)
-        self.actor = Actor(cfg.actor, self.hf_config)
+        groups = initialize_model_parallel(cfg.actor.parallel, seed=cfg.actor.seed)
         # Objects (the batch, decisions) travel over a CPU group even when the actor uses NCCL.
-        world = self.actor.parallel.world_group
+        world = groups.world_group
         self.cpu_group = world if dist.get_backend(world) == "gloo" else dist.new_group(backend="gloo")
         resume_from = run_state.resume_checkpoint(self.output_dir, group=self.cpu_group) if cfg.trainer.resume else None
         state: dict[str, Any] = {}
         if resume_from is not None:
             logger.info("resuming from %s", resume_from)
-            self.actor.load_checkpoint(resume_from / "actor")
             state = run_state.load_trainer_state(resume_from)
             self.step, self.version = int(state["step"]), int(state["version"])
+        error = None
+        if groups.rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.yaml").write_text(dump_run_config(cfg), encoding="utf-8")
+            self.driver = Driver(cfg, self.output_dir)
+            try:
+                self.driver.start(state, step=self.step, version=self.version)
+            except Exception as exc:  # every rank must learn of it, or the others wait forever
+                error = exc
+        failed = self._broadcast(None if error is None else (type(error).__name__, str(error)))
+        if error is not None:
+            raise error
+        if failed is not None:
+            raise ConfigError(f"rank 0 could not start the run: {failed[0]}: {failed[1]}")
+        self.actor = Actor(cfg.actor, self.hf_config, groups=groups)
+        if resume_from is not None:
+            self.actor.load_checkpoint(resume_from / "actor")
+            # Servers start from model.hf_path; bring them to the checkpoint's weights and version.
+            self.sync_weights(self.version)
         else:
             load_hf_into_model(self.actor.model, hf_path, hf_config=self.hf_config)
             if hasattr(self.actor.optimizer, "reload_model_params"):
                 self.actor.optimizer.reload_model_params()  # optimizers with separate fp32 main params
-        if self.actor.parallel.rank == 0:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.yaml").write_text(dump_run_config(cfg), encoding="utf-8")
-            self.driver = Driver(cfg, self.output_dir)
-            self.driver.start(state, step=self.step, version=self.version)
-        if resume_from is not None:
-            # Servers start from model.hf_path; bring them to the checkpoint's weights and version.
-            self.sync_weights(self.version)
         if self.driver is not None:
             if cfg.trainer.eval_at_start and self.step == 0 and cfg.eval.every_n_steps and cfg.eval.datasets:
                 self.driver.log(0, self.driver.evaluate(0))
@@ -169,7 +185,18 @@ class Trainer:
             else:
                 self.sync = DiskWeightSync(cfg.sync, self.actor, self.hf_config, self.output_dir / "hf_sync", client,
                                            tokenizer_src=cfg.model.hf_path)
-        self.sync.sync(version)
+        if self.driver is not None:
+            self.driver.ensure_servers(version - 1)
+            if self.driver.take_restarted() and hasattr(self.sync, "reset_servers"):
+                self.sync.reset_servers()  # a restarted server is not in the distributed weight group
+        try:
+            self.sync.sync(version)
+        except RolloutError:
+            # A built-in server died during the sync (disk sync: the weights are written; only the
+            # loading failed): restart it and load this version everywhere again.
+            if self.driver is None or not hasattr(self.sync, "publish") or not self.driver.restart_dead_servers(version):
+                raise
+            self.sync.publish(version)
         if self.driver is not None:
             self.driver.published(version)
 

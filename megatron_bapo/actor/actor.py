@@ -123,6 +123,10 @@ class Actor:
         self.num_skipped_steps = 0
         self._temperature = 1.0
         """Sampling temperature of the batch being processed (set by train_step / compute_logprobs)."""
+        logger.info("actor built: %s parameters on this rank, %s, %s micro-batches, %s optimizer",
+                    f"{sum(p.numel() for m in self.model for p in m.parameters()):,}", config.dtype,
+                    "packed" if config.packing else "padded",
+                    "distributed" if self.distributed_optimizer else "plain")
 
     # ------------------------------------------------------------------ batches
     def _check_batch(self, batch: dict[str, Any], keys=REQUIRED_KEYS) -> None:

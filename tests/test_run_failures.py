@@ -1,0 +1,196 @@
+"""A run never trains nothing silently: `python -m megatron_bapo.train` as a user runs it, with the
+settings and faults users hit. A wrong setting is one line naming the field, before the model is
+built; a reward that keeps failing stops the run and says why; a built-in server killed mid-run is
+restarted and the run completes; an external server gone for good is named; an API key reaches
+every call; a resumed run samples what the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import yaml
+
+from megatron_bapo.metrics import read_jsonl_metrics
+from megatron_bapo.server.launch import start_server
+from run_helpers import pid_alive, pids_running, run_config, server_pids, start_train, train_env, write_assets
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, tiny_hf_dir):
+    return write_assets(tmp_path_factory.mktemp("failure_assets")), tiny_hf_dir
+
+
+def _finish(proc, timeout: float = 600) -> str:
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return log
+
+
+def _warnings(log: str) -> list[str]:
+    return [ln for ln in log.splitlines() if " WARNING " in ln]
+
+
+def _wait_for_step(proc, out, step: int, timeout: float = 600) -> None:
+    ledger = out / "samples.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"trainer exited early: {proc.stdout.read()[-4000:]}")
+        if ledger.exists() and any(json.loads(ln)["step"] >= step for ln in ledger.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for step {step}")
+
+
+@pytest.mark.parametrize("case", ["data_path", "model_path", "reward_typo", "response_over_context"])
+def test_wrong_setting_is_one_line_before_the_model_is_built(assets, tmp_path, case):
+    sections, field = {
+        "data_path": ({"data": {"path": str(tmp_path / "missing.jsonl")}}, "data.path"),
+        "model_path": ({"model": {"hf_path": str(tmp_path / "no_model")}}, "model.hf_path"),
+        "reward_typo": ({"reward": {"fn": "parity_reward_mod:parity_rewad"}}, "parity_rewad"),
+        # The tiny model's context is 512 tokens: every request would be rejected (400).
+        "response_over_context": ({"rollout": {"max_response_tokens": 600, "segment_tokens": 300}}, "rollout.max_response_tokens"),
+    }[case]
+    out = tmp_path / "run"
+    config = run_config(assets, out, sections=sections, log_level="info")
+    started = time.monotonic()
+    proc = start_train(config, assets)
+    log = _finish(proc)
+    assert proc.returncode == 2, log[-4000:]
+    last = [ln for ln in log.splitlines() if ln.strip()][-1]
+    assert last.startswith("config error:") and field in last, log[-4000:]
+    assert "Traceback" not in log
+    assert "actor built" not in log, "the model was built before the setting was checked"
+    assert time.monotonic() - started < 120
+    assert not any(pid_alive(p) for p in server_pids(out)) and pids_running(config) == []
+
+
+def test_reward_that_keeps_failing_stops_the_run_and_says_why(assets, tmp_path):
+    out = tmp_path / "run"
+    config = run_config(assets, out, sections={"reward": {"fn": "parity_reward_mod:broken_reward"}}, total_steps=4)
+    proc = start_train(config, assets)
+    log = _finish(proc)
+    assert proc.returncode == 2, log[-4000:]
+    last = [ln for ln in log.splitlines() if ln.strip()][-1]
+    assert last.startswith("reward error: reward 'parity_reward_mod:broken_reward' failed on"), last
+    assert "KeyError: 'answer_format'" in last and "reward.max_failure_rate" in last
+    assert "Traceback" not in log
+    records = read_jsonl_metrics(out / "tb")
+    assert not any("bapo/c_high" in r for r in records), "an update was made on failed rewards"
+
+
+def test_killed_builtin_server_is_restarted_and_the_run_completes(assets, tmp_path):
+    out = tmp_path / "run"
+    client = {"health_timeout_s": 180, "max_retries": 2, "backoff_s": 0.2}
+    config = run_config(assets, out, sections={"rollout": {"client": client}}, total_steps=5, save_every=0)
+    proc = start_train(config, assets)
+    try:
+        _wait_for_step(proc, out, 2)
+        [killed] = server_pids(out)
+        os.kill(killed, signal.SIGKILL)
+        log = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log[-4000:]
+    assert "died with exit code -9; restarting it (1 of 3)" in log, log[-4000:]
+    assert len(_warnings(log)) <= 6, "\n".join(_warnings(log))
+    [restarted] = server_pids(out)
+    assert restarted != killed and not pid_alive(restarted)  # stopped at the end, as the first one would be
+    lines = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [1, 2, 3, 4, 5]
+    trained = [g for ln in lines for g, _ in ln["trained"]]
+    assert trained and len(set(trained)) == len(trained)
+    # Training went on past the kill: updates after step 2, served by the restarted server.
+    records = read_jsonl_metrics(out / "tb")
+    assert [r["step"] for r in records if "bapo/c_high" in r][-1] == 5
+
+
+def test_external_server_gone_for_good_is_named_in_one_line(assets, tmp_path, tiny_hf_dir):
+    out = tmp_path / "run"
+    server = start_server(tiny_hf_dir, log_path=tmp_path / "external.log")
+    try:
+        client = {"urls": [server.url], "health_timeout_s": 5, "max_retries": 2, "backoff_s": 0.2,
+                  "control_timeout_s": 10}
+        config = run_config(assets, out, sections={"rollout": {"client": client}}, total_steps=5, save_every=0)
+        proc = start_train(config, assets)
+        _wait_for_step(proc, out, 2)
+        server.proc.kill()
+        log = _finish(proc)
+    finally:
+        server.stop()
+    assert proc.returncode == 2, log[-4000:]
+    last = [ln for ln in log.splitlines() if ln.strip()][-1]
+    assert last.startswith("rollout error:") and server.url in last, log[-4000:]
+    assert "Traceback" not in log
+    assert len(_warnings(log)) <= 6, "\n".join(_warnings(log))
+
+
+def test_api_key_reaches_every_call_and_is_never_written(assets, tmp_path, tiny_hf_dir):
+    """Servers behind a key: generation, control, weight sync and evaluation all authenticate (a run
+    without the key is refused by the server), and the key is not in the run directory."""
+    key = "k3y-" + os.urandom(6).hex()
+    server = start_server(tiny_hf_dir, log_path=tmp_path / "keyed.log", extra_args=["--api-key", key])
+    try:
+        client = {"urls": [server.url], "health_timeout_s": 30, "max_retries": 1, "backoff_s": 0.2}
+        keyed = run_config(assets, tmp_path / "keyed", sections={"rollout": {"client": client}}, total_steps=3)
+        proc = start_train(keyed, assets, env=train_env(assets, ROLLOUT_API_KEY=key))
+        log = _finish(proc)
+        assert proc.returncode == 0, log[-4000:]
+        records = read_jsonl_metrics(tmp_path / "keyed" / "tb")
+        assert any("eval/t/avg@2" in r for r in records) and any("bapo/c_high" in r for r in records)
+        # In the config instead of the environment: masked in the run directory's config.yaml.
+        in_config = {**client, "api_key": key}
+        written = run_config(assets, tmp_path / "in_config", sections={"rollout": {"client": in_config}},
+                             total_steps=1, eval_at_start=False)
+        proc = start_train(written, assets)
+        log = _finish(proc)
+        assert proc.returncode == 0, log[-4000:]
+        saved = (tmp_path / "in_config" / "config.yaml").read_text()
+        assert key not in saved and yaml.safe_load(saved)["rollout"]["client"]["api_key"] == "***"
+        for path in (tmp_path / "keyed").rglob("*"):
+            if path.is_file() and path.stat().st_size < 10_000_000:
+                assert key.encode() not in path.read_bytes(), f"the API key was written to {path}"
+        # Without the key the server refuses the run's first call, and the error says so.
+        unkeyed = run_config(assets, tmp_path / "unkeyed", sections={"rollout": {"client": client}}, total_steps=1)
+        proc = start_train(unkeyed, assets)
+        log = _finish(proc)
+        assert proc.returncode == 2 and "401" in log.splitlines()[-1], log[-4000:]
+    finally:
+        server.stop()
+
+
+def test_resumed_run_samples_as_the_uninterrupted_one(assets, tmp_path):
+    """Per-request sampling seeds from (run seed, prompt, start version, sample, tokens so far): a
+    run stopped after step 2 and resumed samples step 3 exactly as a run that never stopped."""
+    whole = run_config(assets, tmp_path / "whole", total_steps=3, save_every=2)
+    proc = start_train(whole, assets, "eval.every_n_steps=0")
+    log = _finish(proc)
+    assert proc.returncode == 0, log[-4000:]
+    split = run_config(assets, tmp_path / "split", total_steps=2, save_every=2)
+    for extra in (["trainer.total_steps=2"], ["--resume", "trainer.total_steps=3"]):
+        proc = start_train(split, assets, *extra, "eval.every_n_steps=0")
+        log = _finish(proc)
+        assert proc.returncode == 0, log[-4000:]
+    assert "resuming from" in log and "step_000002" in log
+
+    def step3(run: str) -> dict:
+        [rec] = [r for r in read_jsonl_metrics(tmp_path / run / "tb") if r["step"] == 3 and "rollout/reward_mean" in r]
+        return rec
+
+    a, b = step3("whole"), step3("split")
+    for tag in ("rollout/reward_mean", "rollout/response_len_mean", "experience/num_samples"):
+        assert a[tag] == b[tag], (tag, a[tag], b[tag])
+    # Functions of the sampled tokens and their behaviour log-probs: equal only if the same tokens were drawn.
+    for tag in ("actor/kl", "actor/entropy", "bapo/c_high", "bapo/rho_before"):
+        assert a[tag] == pytest.approx(b[tag], rel=1e-6, abs=1e-9), (tag, a[tag], b[tag])
