@@ -89,6 +89,22 @@ def test_reward_that_keeps_failing_stops_the_run_and_says_why(assets, tmp_path):
     assert not any("bapo/c_high" in r for r in records), "an update was made on failed rewards"
 
 
+def test_step_whose_requests_the_servers_reject_stops_the_run_with_their_message(assets, tmp_path):
+    """A setting every request fails on (here min_new_tokens above a 3-token segment): the first
+    step stops the run with the server's 400 message instead of dropping every group for the whole
+    run and exiting 0 having trained nothing."""
+    out = tmp_path / "run"
+    sampling = {"extra": {"min_new_tokens": 5}}
+    config = run_config(assets, out, sections={"rollout": {"sampling": sampling}}, total_steps=4)
+    proc = start_train(config, assets)
+    log = _finish(proc)
+    assert proc.returncode == 2, log[-4000:]
+    last = [ln for ln in log.splitlines() if ln.strip()][-1]
+    assert last.startswith("rollout error: the servers rejected (4xx) the requests of 3 of 3 groups"), last
+    assert "min_new_tokens must be in [0, max_new_tokens(3)]" in last and "rollout.max_failed_group_rate" in last
+    assert len(_warnings(log)) <= 3, "\n".join(_warnings(log))
+
+
 def test_killed_builtin_server_is_restarted_and_the_run_completes(assets, tmp_path):
     out = tmp_path / "run"
     client = {"health_timeout_s": 180, "max_retries": 2, "backoff_s": 0.2}
