@@ -108,10 +108,12 @@ def save_checkpoint(actor: "Actor", directory: str | os.PathLike) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        (tmp / "rng").mkdir()
     dist.barrier(group=actor.parallel.world_group)
     _fast_results_queue()
+    # Into an empty directory: megatron-core warns "Overwriting old incomplete / corrupted
+    # checkpoint..." for a non-empty one, so the RNG files are written after it.
     dist_checkpointing.save(_sharded_state(actor, is_loading=False, with_optimizer=True), str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
     dist.barrier(group=actor.parallel.world_group)
     if rank == 0:
