@@ -52,7 +52,14 @@ class TrainerConfig:
     `rollout.max_staleness` still bounds what is trained."""
     progress: bool = True
     """tqdm progress bar on rank 0's console."""
+    console_every: int = 10
+    """Every this many steps (and at the last step) rank 0 prints one compact line on the console,
+    e.g. `step 50/150  reward 0.410  acc 0.400  c_low 0.60 c_high 1.55  rho 0.28->0.40  entropy 0.31
+    1.1 s/step` (means over the steps since the previous line; rho: the positive-contribution
+    balance before -> after the bound search); 0 = never. Eval results get their own line."""
     log_level: str = "INFO"
+    """Level of `<output_dir>/logs/train.log` (rank 0's full log: DEBUG, INFO, WARNING or ERROR);
+    the console shows warnings and errors, the progress bar and the `console_every` lines."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -61,6 +68,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.save_every must be >= 0, got {self.save_every}")
         if self.keep_checkpoints < 0:
             raise ConfigError(f"trainer.keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
+        if self.console_every < 0:
+            raise ConfigError(f"trainer.console_every must be >= 0, got {self.console_every}")
         if self.async_steps < 0:
             raise ConfigError(f"trainer.async_steps must be >= 0, got {self.async_steps}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

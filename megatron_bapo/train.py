@@ -11,6 +11,7 @@ import logging
 import warnings
 import os
 import sys
+import time
 from typing import Optional, Sequence
 
 from megatron_bapo.config_io import ConfigError
@@ -47,10 +48,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(dump_run_config(config), end="")
         return 0
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=config.trainer.log_level.upper() if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
-    )
+    from megatron_bapo import logs
+
+    # Rank 0: everything to <output_dir>/logs/train.log; the console gets warnings, the progress
+    # bar and the compact lines of the `megatron_bapo.console` logger (megatron_bapo.logs).
+    path = logs.configure(config.trainer.log_level, rank, config.trainer.output_dir)
+    log = logging.getLogger("megatron_bapo.train")
+    log.info("start: pid %d, --config %s (resolved: %s/config.yaml)", os.getpid(), args.config,
+             config.trainer.output_dir)
+    logging.getLogger(logs.CONSOLE).info("megatron_bapo: %d steps into %s (full log: %s)",
+                                         config.trainer.total_steps, config.trainer.output_dir, path)
     if config.trainer.log_level.upper() != "DEBUG":
         # megatron-core logs every config dataclass and parameter-bucket list at INFO; keep its warnings.
         logging.getLogger("megatron.core").setLevel(logging.WARNING)
@@ -59,32 +66,43 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
     # megatron-core's checkpoint loader still uses torch's deprecated load_state_dict and
     # ShardedTensor: notices for megatron-core, printed on every resume, that a user cannot act on.
-    for message in ("`load_state_dict` is deprecated", "Please use DTensor instead"):
+    # Same for its distributed optimizer: torch's deprecated collective names, and a `hasattr(param,
+    # "grad")` on the optimizer's shard views (non-leaf tensors) in zero_grad.
+    for message in ("`load_state_dict` is deprecated", "Please use DTensor instead",
+                    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"):
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor",
+                            category=UserWarning)
     from megatron_bapo.experience import RewardFailure
     from megatron_bapo.rewards import RewardSpecError
     from megatron_bapo.rollout.errors import RolloutError
     from megatron_bapo.run_state import CheckpointError
     from megatron_bapo.trainer import Trainer
 
-    # Errors that name their fix are one line (the traceback at DEBUG); anything else is a bug and
-    # keeps its traceback.
+    # Errors that name their fix are one line (the traceback in the log file at DEBUG); anything else
+    # is a bug and keeps its traceback.
     kinds = {ConfigError: "config error", RewardSpecError: "config error", CheckpointError: "checkpoint error",
              RewardFailure: "reward error", RolloutError: "rollout error"}
+    started = time.monotonic()
     try:
         history = Trainer(config).run()
     except tuple(kinds) as exc:
         if rank == 0:
-            logging.getLogger("megatron_bapo.train").debug("stopped", exc_info=True)
             kind = next(v for k, v in kinds.items() if isinstance(exc, k))
+            # The file gets the line (and the traceback at DEBUG); the console the line alone.
+            log.info("stopped: %s: %s", kind, exc, exc_info=log.isEnabledFor(logging.DEBUG))
             print(f"{kind}: {exc}", file=sys.stderr)
         return 2
+    except Exception:
+        # A bug: Python prints the traceback on the console; INFO puts it in the log file only.
+        log.info("stopped by an unexpected error", exc_info=True)
+        raise
     if rank == 0 and history:
         first, last = history[0], history[-1]
         key = "rollout/reward_mean"
-        if key in first and key in last:
-            logging.getLogger("megatron_bapo.train").info(
-                "done: %d steps, reward %.3f -> %.3f", last["step"], first[key], last[key])
+        reward = f", reward {first[key]:.3f} -> {last[key]:.3f}" if key in first and key in last else ""
+        logging.getLogger(logs.CONSOLE).info("done: %d steps in %.0f s%s", last["step"], time.monotonic() - started,
+                                             reward)
     return 0
 
 

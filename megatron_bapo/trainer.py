@@ -30,10 +30,13 @@ import torch.distributed as dist
 from megatron_bapo import run_state
 from megatron_bapo.config import RunConfig, dump_run_config
 from megatron_bapo.config_io import ConfigError
+from megatron_bapo.logs import CONSOLE
 from megatron_bapo.models.parallel import init_distributed_env
 from megatron_bapo.rollout.errors import RolloutError
 
 logger = logging.getLogger(__name__)
+# Rank 0's console lines (megatron_bapo.logs): the compact step line, eval results, resume.
+console = logging.getLogger(CONSOLE)
 
 
 class Trainer:
@@ -46,6 +49,7 @@ class Trainer:
         self.version = 0
         self.driver: Any = None
         self.sync: Any = None
+        self._since_line: list[dict[str, float]] = []  # metrics of the steps since the last console line
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[dict[str, float]]:
@@ -135,9 +139,9 @@ class Trainer:
         resume_from = run_state.resume_checkpoint(self.output_dir, group=self.cpu_group) if cfg.trainer.resume else None
         state: dict[str, Any] = {}
         if resume_from is not None:
-            logger.info("resuming from %s", resume_from)
             state = run_state.load_trainer_state(resume_from)
             self.step, self.version = int(state["step"]), int(state["version"])
+            console.info("resuming from %s (step %d of %d)", resume_from, self.step, cfg.trainer.total_steps)
         error = None
         if groups.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +167,9 @@ class Trainer:
                 self.actor.optimizer.reload_model_params()  # optimizers with separate fp32 main params
         if self.driver is not None:
             if cfg.trainer.eval_at_start and self.step == 0 and cfg.eval.every_n_steps and cfg.eval.datasets:
-                self.driver.log(0, self.driver.evaluate(0))
+                metrics = self.driver.evaluate(0)
+                self.driver.log(0, metrics)
+                _report_eval(0, metrics)
             self.driver.start_rollout()
         dist.barrier(group=self.cpu_group)
 
@@ -218,11 +224,19 @@ class Trainer:
         return tqdm(total=cfg.total_steps, initial=self.step, desc="bapo", unit="step", dynamic_ncols=True)
 
     def _report(self, metrics: dict[str, float], progress) -> None:
+        """Rank 0, every step: metrics to TensorBoard/jsonl, a full line to the log file, the
+        progress bar; every `trainer.console_every` steps (and at the last) the console line."""
+        cfg = self.config.trainer
         self.driver.log(self.step, metrics)
         logger.info("step %d: %s", self.step, _summary(metrics))
         if progress is not None:
+            progress.set_postfix_str(_summary(metrics, short=True), refresh=False)
             progress.update(1)
-            progress.set_postfix_str(_summary(metrics, short=True))
+        self._since_line.append(metrics)
+        if cfg.console_every and (self.step % cfg.console_every == 0 or self.step == cfg.total_steps):
+            console.info(_console_line(self.step, cfg.total_steps, self._since_line))
+            self._since_line = []
+        _report_eval(self.step, metrics)
 
 
 _SUMMARY_KEYS = (
@@ -234,3 +248,37 @@ _SUMMARY_KEYS = (
 def _summary(metrics: dict[str, float], short: bool = False) -> str:
     keys = _SUMMARY_KEYS[:4] if short else _SUMMARY_KEYS
     return " ".join(f"{name}={metrics[key]:.3g}" for name, key in keys if key in metrics)
+
+
+def _console_line(step: int, total: int, window: list[dict[str, float]]) -> str:
+    """`step 50/150  reward 0.410  acc 0.400  c_low 0.60 c_high 1.55  rho 0.28->0.40  entropy 0.31
+    1.1 s/step`: means over `window` (the steps since the previous line; a value is left out when
+    no step in it has it, e.g. no update was made)."""
+
+    def mean(key: str) -> Optional[float]:
+        vals = [m[key] for m in window if key in m and m[key] == m[key]]  # NaN: a skipped update
+        return sum(vals) / len(vals) if vals else None
+
+    parts = [f"step {step}/{total}"]
+    for name, key in (("reward", "rollout/reward_mean"), ("acc", "rollout/accuracy")):
+        if (v := mean(key)) is not None:
+            parts.append(f"{name} {v:.3f}")
+    low, high = mean("bapo/c_low"), mean("bapo/c_high")
+    if low is not None and high is not None:
+        parts.append(f"c_low {low:.2f} c_high {high:.2f}")
+    before, after = mean("bapo/rho_before"), mean("bapo/rho_after")
+    if before is not None and after is not None:
+        parts.append(f"rho {before:.2f}->{after:.2f}")
+    if (v := mean("actor/entropy")) is not None:
+        parts.append(f"entropy {v:.2f}")
+    if (v := mean("timing/step_s")) is not None:
+        parts.append(f"{v:.1f} s/step")
+    return "  ".join(parts)
+
+
+def _report_eval(step: int, metrics: dict[str, float]) -> None:
+    """`eval step 50  tiny_test avg@4 0.520` when `metrics` hold evaluation results."""
+    results = [f"{key[len('eval/'):].replace('/avg@', ' avg@')} {value:.3f}" for key, value in metrics.items()
+               if key.startswith("eval/") and "/avg@" in key]
+    if results:
+        console.info("eval step %d  %s", step, "  ".join(results))

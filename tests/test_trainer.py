@@ -6,6 +6,7 @@ TensorBoard events read back, and a real SIGKILL in the middle of a step followe
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 
@@ -35,6 +36,15 @@ def test_train_end_to_end_tensorboard_and_cleanup(assets, tmp_path):
     proc = start_train(run_config(assets, out), assets)
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log[-4000:]
+    # The console: compact lines (the last step's, with console_every=10), eval results, no INFO
+    # records; those are in logs/train.log.
+    assert re.search(r"^step 3/3  reward [\d.]+  acc [\d.]+  c_low [\d.]+ c_high [\d.]+  rho [\d.]+->[\d.]+  "
+                     r"entropy [\d.]+  [\d.]+ s/step$", log, re.M), log[-4000:]
+    assert re.search(r"^eval step 0  t avg@2 [\d.]+$", log, re.M) and re.search(r"^eval step 3  t avg@2 [\d.]+$", log, re.M)
+    assert " INFO " not in log, log[-4000:]
+    assert "WARNING" not in log and "Warning:" not in log, log[-4000:]  # a healthy run: nothing to alarm
+    full = (out / "logs" / "train.log").read_text()
+    assert "actor built" in full and "step 2: reward=" in full and "step 3/3  reward" in full
     scalars = read_tensorboard_scalars(out / "tb")
     missing = [t for t in EXPECTED_TAGS if t not in scalars]
     assert not missing, f"missing TensorBoard tags {missing}; have {sorted(scalars)}"
