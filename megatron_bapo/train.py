@@ -101,8 +101,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         first, last = history[0], history[-1]
         key = "rollout/reward_mean"
         reward = f", reward {first[key]:.3f} -> {last[key]:.3f}" if key in first and key in last else ""
-        logging.getLogger(logs.CONSOLE).info("done: %d steps in %.0f s%s", last["step"], time.monotonic() - started,
-                                             reward)
+        logging.getLogger(logs.CONSOLE).info("done: steps %d-%d in %.0f s%s", first["step"], last["step"],
+                                             time.monotonic() - started, reward)
     return 0
 
 
