@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -98,3 +99,39 @@ def test_make_tiny_cli_builds_and_refuses_to_overwrite(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert again.returncode == 2 and "--force" in again.stderr
     assert (out / "info.json").read_bytes() == before
+
+
+def test_looped_examples_repeat_the_answer_to_the_limit_without_eos():
+    """The base's looping habit: a looped example is the answer repeated with "=" to loop_tokens
+    tokens, all of them trained, and no EOS (so the policy learns to keep going)."""
+    tok = build_tiny_tokenizer()
+    rows = [{"prompt": "7+5=", "answer": "21"}, {"prompt": "47+38=", "answer": "58"}]
+    batch = make_sft_batch(tok, rows, looped=[True, False], loop_tokens=12)
+    assert tok.decode(batch["input_ids"][0, :16].tolist()) == "7+5=21=21=21=21="
+    labels = batch["labels"][0].tolist()
+    assert labels[4:16] == tok.encode("21=21=21=21=") and tok.eos_token_id not in labels
+    assert tok.decode(batch["input_ids"][1, :9].tolist()) == "47+38=58<|endoftext|>"
+    # The arithmetic reward scores a looped response 0: the answer must be the whole first word.
+    from megatron_bapo.rewards.arithmetic import arithmetic_reward
+
+    assert arithmetic_reward("21=21=21=21=", "21") == 0.0 and arithmetic_reward("21", "21") == 1.0
+
+
+def test_building_the_tiny_assets_twice_gives_identical_files(tmp_path):
+    """The quick start builds its own assets on a fresh clone: the same command must give the same
+    model (byte for byte) and data, or README numbers could not be reproduced."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    digests = []
+    for name in ("a", "b"):
+        cmd = [sys.executable, str(REPO / "tools" / "make_tiny.py"), "--out", str(tmp_path / name),
+               "--sft-steps", "30", "--target-accuracy", "2"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        root = tmp_path / name
+        files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "info.json")
+        digests.append({str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files})
+    assert "base_model/model.safetensors" in digests[0]
+    assert digests[0] == digests[1]
+    infos = [json.loads((tmp_path / n / "info.json").read_text()) for n in ("a", "b")]
+    assert infos[0]["base_accuracy"] == infos[1]["base_accuracy"]
+    assert [c["loss"] for c in infos[0]["sft"]["curve"]] == [c["loss"] for c in infos[1]["sft"]["curve"]]

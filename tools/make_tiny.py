@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-steps", type=int, default=None, help="max SFT steps (default: SFTConfig.max_steps)")
     parser.add_argument("--target-accuracy", type=float, default=None,
                         help="stop SFT at this greedy validation accuracy (default: SFTConfig.target_accuracy)")
+    parser.add_argument("--loop-fraction", type=float, default=None,
+                        help="share of SFT examples that loop instead of stopping (default: SFTConfig.loop_fraction)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)
@@ -36,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         config.sft = dataclasses.replace(config.sft, max_steps=args.sft_steps)
     if args.target_accuracy is not None:
         config.sft = dataclasses.replace(config.sft, target_accuracy=args.target_accuracy)
+
+    if args.loop_fraction is not None:
+        config.sft = dataclasses.replace(config.sft, loop_fraction=args.loop_fraction)
 
     bar = tqdm(total=config.sft.max_steps, desc="SFT warm start", unit="step", file=sys.stderr, mininterval=1.0)
 

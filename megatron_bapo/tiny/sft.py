@@ -1,5 +1,12 @@
 """Short supervised warm start on the arithmetic task, so the RL run starts from a policy with signal.
 
+The warm start also gives the base policy a habit RL has to remove, the one that makes reasoning
+models' failures long: on `loop_fraction` of its examples the answer is not followed by EOS but
+repeated ("58=58=58=58") up to the response limit, as a model stuck in a re-checking loop does.
+A looped response scores 0 (the arithmetic reward takes the whole first word, "58=58=58=58"), so
+failing responses are longer than successful ones, and GRPO's per-group zero-sum advantages then
+give negative tokens most of the weight: the imbalance BAPO's adaptive bounds correct (paper §3).
+
 Plain torch + transformers on CPU: cross-entropy on the answer tokens and EOS only (prompt tokens are
 masked), AdamW at a constant learning rate after a short warmup. Every `eval_every` steps the greedy
 accuracy on a fixed validation set is measured and training stops as soon as it reaches
@@ -42,9 +49,16 @@ class SFTConfig:
     num_eval: int = 200
     """Validation problems for the stopping rule (taken from the training rows)."""
     seed: int = 0
+    loop_fraction: float = 0.35
+    """Share of examples whose answer is repeated with "=" to `loop_tokens` tokens instead of ending
+    with EOS (the base's looping habit, see the module docstring); 0 = none."""
+    loop_tokens: int = 12
+    """Length of a looped response in tokens (the RL run's rollout.max_response_tokens)."""
 
     def validate(self) -> None:
-        for name in ("max_steps", "batch_size", "eval_every", "num_eval"):
+        if not 0.0 <= self.loop_fraction < 1.0:
+            raise ValueError(f"sft.loop_fraction must be in [0, 1), got {self.loop_fraction}")
+        for name in ("max_steps", "loop_tokens", "batch_size", "eval_every", "num_eval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -69,13 +83,23 @@ class SFTResult:
     seconds: float
 
 
-def make_sft_batch(tokenizer, rows: Sequence[dict]) -> dict[str, torch.Tensor]:
-    """Right-padded `input_ids`, `attention_mask` and `labels` (answer + EOS only) for prompt/answer rows."""
+def looped_answer(answer: str, num_tokens: int) -> str:
+    """The answer repeated with "=" and cut to `num_tokens` characters (one token each): "58=58=58=58"."""
+    return "=".join([answer] * (num_tokens // (len(answer) + 1) + 1))[:num_tokens]
+
+
+def make_sft_batch(tokenizer, rows: Sequence[dict], looped: Optional[Sequence[bool]] = None,
+                   loop_tokens: int = 12) -> dict[str, torch.Tensor]:
+    """Right-padded `input_ids`, `attention_mask` and `labels` (response tokens only) for prompt/answer
+    rows; the response is answer + EOS, or for `looped[i]` the looped answer (no EOS)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     seqs, labels = [], []
-    for row in rows:
+    for i, row in enumerate(rows):
         prompt_ids = tokenizer.encode(row["prompt"])
-        answer_ids = tokenizer.encode(row["answer"]) + [eos]
+        if looped is not None and looped[i]:
+            answer_ids = tokenizer.encode(looped_answer(row["answer"], loop_tokens))
+        else:
+            answer_ids = tokenizer.encode(row["answer"]) + [eos]
         seqs.append(prompt_ids + answer_ids)
         labels.append([IGNORE_INDEX] * len(prompt_ids) + answer_ids)
     width = max(len(s) for s in seqs)
@@ -118,7 +142,9 @@ def run_sft(
     model.train()
     step = 0
     for step in range(1, config.max_steps + 1):
-        batch = make_sft_batch(tokenizer, rng.choices(train_rows, k=config.batch_size))
+        rows = rng.choices(train_rows, k=config.batch_size)
+        looped = [rng.random() < config.loop_fraction for _ in rows] if config.loop_fraction else None
+        batch = make_sft_batch(tokenizer, rows, looped, config.loop_tokens)
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
