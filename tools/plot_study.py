@@ -25,7 +25,10 @@ PLOTS = {
     "eval_accuracy.png": ("Eval accuracy (held-out avg@n)", ["eval/*/avg@*"]),
     "entropy.png": ("Policy entropy (loss tokens)", ["actor/entropy"]),
     "clip_bounds.png": ("Clip bounds", ["bapo/c_low", "bapo/c_high"]),
-    "positive_contribution.png": ("Positive contribution share after the search", ["bapo/rho_after"]),
+    "positive_contribution.png": ("Positive contribution share (before / after the search)",
+                                  ["bapo/rho_before", "bapo/rho_after"]),
+    "clip_fractions.png": ("Clipped token fraction by advantage sign", ["actor/clipfrac_pos", "actor/clipfrac_neg"]),
+    "grad_norm.png": ("Gradient norm", ["actor/grad_norm"]),
 }
 
 
@@ -67,11 +70,12 @@ def _mean_std(values: list[float]) -> str:
 def _table(runs: dict[str, list[list[dict]]]) -> list[str]:
     lines = [
         "| preset | seeds | eval start | eval end (mean of last 2 evals) | eval best | per-seed eval end | "
-        "reward last 10 | entropy last 10 | c_low / c_high last |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "reward last 10 | entropy last 10 | c_low / c_high last | search moved (first 50 steps) | "
+        "rho before (first 10) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, seeds in runs.items():
-        start, end, best, reward, entropy, low, high = [], [], [], [], [], [], []
+        start, end, best, reward, entropy, low, high, moved, rho = [], [], [], [], [], [], [], [], []
         for records in seeds:
             ev = _series(records, "eval/*/avg@*")
             ev_values = [ev[k] for k in sorted(ev)]
@@ -88,10 +92,18 @@ def _table(runs: dict[str, list[list[dict]]]) -> list[str]:
                 s = _series(records, tag)
                 if s:
                     out.append(s[max(s)])
+            searched = _series(records, "bapo/search_steps")
+            early = [searched[k] for k in sorted(searched) if k <= 50]
+            if early:
+                moved.append(sum(v > 0 for v in early) / len(early))
+            before = _series(records, "bapo/rho_before")
+            if before:
+                rho.append(statistics.fmean([before[k] for k in sorted(before)][:10]))
         bounds = f"{statistics.fmean(low):.2f} / {statistics.fmean(high):.2f}" if low and high else "-"
         lines.append(
             f"| {name} | {len(seeds)} | {_mean_std(start)} | {_mean_std(end)} | {_mean_std(best)} | "
-            f"{', '.join(f'{v:.3f}' for v in end) or '-'} | {_mean_std(reward)} | {_mean_std(entropy)} | {bounds} |"
+            f"{', '.join(f'{v:.3f}' for v in end) or '-'} | {_mean_std(reward)} | {_mean_std(entropy)} | {bounds} | "
+            f"{f'{statistics.fmean(moved):.0%}' if moved else '-'} | {_mean_std(rho)} |"
         )
     return lines
 
