@@ -75,8 +75,14 @@ class Trainer:
         batch = self._broadcast(batch)
         t0 = time.monotonic()
         if batch is None:
-            logger.warning("step %d: no usable groups (all filtered); skipping the update", self.step + 1)
             metrics["actor/skipped_empty_batch"] = 1.0
+            if self.driver is not None:  # rank 0 has the rollout metrics and says why
+                if not metrics.get("experience/num_groups") and metrics.get("rollout/buffer_groups", 0) > 0:
+                    # Partial rollout: every response is longer than this step generated; normal early on.
+                    logger.info("step %d: no group finished yet (%d continue next step); no update", self.step + 1,
+                                metrics["rollout/buffer_groups"])
+                else:
+                    logger.warning("step %d: no usable groups (all filtered); skipping the update", self.step + 1)
         else:
             metrics.update(self.actor.train_step(batch, current_version=self.version))
             metrics["throughput/train_tokens_per_s"] = float(batch["attention_mask"].sum()) / max(time.monotonic() - t0, 1e-9)
