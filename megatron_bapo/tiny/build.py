@@ -20,7 +20,7 @@ import shutil
 import time
 from typing import Any, Callable, Optional
 
-from megatron_bapo.tiny.checkpoint import build_tiny_model
+from megatron_bapo.tiny.checkpoint import build_tiny_model, save_quietly
 from megatron_bapo.tiny.decode import answer_accuracy
 from megatron_bapo.tiny.sft import SFTConfig, run_sft
 from megatron_bapo.tiny.task import TaskConfig, generate_splits, write_jsonl
@@ -87,7 +87,7 @@ def build_tiny_assets(
     eval_rows = test[: config.num_base_eval]
     greedy = answer_accuracy(model, tokenizer, eval_rows)
     sampled = answer_accuracy(model, tokenizer, eval_rows, temperature=1.0, seed=config.seed)
-    model.save_pretrained(out / "base_model", safe_serialization=True)
+    save_quietly(model, out / "base_model")
     tokenizer.save_pretrained(out / "base_model")
 
     info = {

@@ -92,10 +92,23 @@ def make_tiny_hf_checkpoint(out_dir, *, seed: int = 0, **overrides: Any) -> path
     architecture = overrides.pop("architecture", "qwen2")
     tokenizer = build_tiny_tokenizer(pad_to_multiple_of=overrides.pop("pad_vocab_to_multiple_of", 64))
     model = build_tiny_model(tokenizer, seed=seed, architecture=architecture, **overrides)
-    model.save_pretrained(out, safe_serialization=True)
+    save_quietly(model, out)
     tokenizer.save_pretrained(out)
     logger.info(
         "wrote tiny %s checkpoint (%d parameters, vocab %d) to %s",
         architecture, sum(p.numel() for p in model.parameters()), model.config.vocab_size, out,
     )
     return out
+
+
+def save_quietly(model, out) -> None:
+    """`save_pretrained` without transformers' per-shard progress bar (a one-shard tiny model)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
