@@ -99,8 +99,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise
     if rank == 0 and history:
         first, last = history[0], history[-1]
-        key = "rollout/reward_mean"
-        reward = f", reward {first[key]:.3f} -> {last[key]:.3f}" if key in first and key in last else ""
+        # One step's reward is noisy (16 prompts): compare the means of the first and last 10 steps.
+        rewards = [h["rollout/reward_mean"] for h in history if "rollout/reward_mean" in h]
+        n = min(10, len(rewards) // 2)
+        reward = (f", reward (mean of {n} steps) {sum(rewards[:n]) / n:.3f} -> {sum(rewards[-n:]) / n:.3f}"
+                  if n else "")
         logging.getLogger(logs.CONSOLE).info("done: steps %d-%d in %.0f s%s", first["step"], last["step"],
                                              time.monotonic() - started, reward)
     return 0
