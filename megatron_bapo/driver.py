@@ -74,7 +74,9 @@ class Driver:
             self.dataset.load_state_dict(state["data"])
             manager.load_state_dict(state["rollout"])
             self.producer.load_state_dict(state.get("rounds", {}))
-        self.writer = MetricsWriter(self.output_dir / "tb", purge_step=step + 1 if state else None)
+        # Resumed: drop the steps after the checkpoint (they are redone). Started over in a used
+        # directory: drop the earlier run's metrics, as its samples.jsonl is, or curves would mix.
+        self.writer = MetricsWriter(self.output_dir / "tb", purge_step=step + 1 if state else 0)
         self.ledger = SampleLedger(self.output_dir / "samples.jsonl", resume_step=step if state else None)
 
     def _preflight(self) -> None:

@@ -212,3 +212,17 @@ def test_resumed_run_samples_as_the_uninterrupted_one(assets, tmp_path):
     # Functions of the sampled tokens and their behaviour log-probs: equal only if the same tokens were drawn.
     for tag in ("actor/kl", "actor/entropy", "bapo/c_high", "bapo/rho_before"):
         assert a[tag] == pytest.approx(b[tag], rel=1e-4, abs=1e-9), (tag, a[tag], b[tag])  # float noise only
+
+
+def test_starting_over_in_a_used_directory_does_not_mix_the_runs_metrics(assets, tmp_path):
+    """`--no-resume` into a directory holding an earlier run: its metrics (and samples ledger) are
+    replaced, not appended to, so curves and summaries show one run."""
+    config = run_config(assets, tmp_path / "run", total_steps=3, save_every=0)
+    for extra in ([], ["--no-resume", "trainer.total_steps=2"]):
+        proc = start_train(config, assets, *extra, "eval.every_n_steps=0")
+        log = _finish(proc)
+        assert proc.returncode == 0, log[-4000:]
+    steps = [r["step"] for r in read_jsonl_metrics(tmp_path / "run" / "tb") if "timing/step_s" in r]
+    assert steps == [1, 2]
+    ledger = [json.loads(ln)["step"] for ln in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert ledger == [1, 2]
