@@ -44,6 +44,10 @@ class Driver:
         self.config = config
         self.output_dir = output_dir
         self.servers: list[Any] = []
+        self.server_restarts: list[int] = []
+        """Restarts so far of each built-in server (rollout.max_server_restarts bounds them)."""
+        self._restarted = False
+        """A server was restarted since the last `take_restarted()`."""
         self.client: Any = None
         self.producer: Any = None
         self.writer: Optional[MetricsWriter] = None
@@ -174,7 +178,7 @@ class Driver:
 
     def take_restarted(self) -> bool:
         """True once after servers were restarted (a distributed weight group must be rebuilt)."""
-        flag, self._restarted = getattr(self, "_restarted", False), False
+        flag, self._restarted = self._restarted, False
         return flag
 
     def close(self) -> None:

@@ -4,6 +4,8 @@ resumption, and a server killed mid-rollout."""
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import signal
@@ -29,15 +31,22 @@ def checkpoints(tiny_hf_dir, tmp_path_factory):
     return [str(tiny_hf_dir)] + [str(make_tiny_hf_checkpoint(root / f"seed{s}", seed=s)) for s in (1, 2)]
 
 
-@pytest.fixture(scope="module")
-def servers(checkpoints):
+@contextlib.contextmanager
+def _server_pair(checkpoint: str):
+    """Two built-in servers started in parallel, stopped on exit."""
     with ThreadPoolExecutor(2) as pool:
-        handles = list(pool.map(lambda _: start_server(checkpoints[0], extra_args=SERVER_ARGS), range(2)))
+        handles = list(pool.map(lambda _: start_server(checkpoint, extra_args=SERVER_ARGS), range(2)))
     try:
         yield handles
     finally:
         for h in handles:
             h.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoints):
+    with _server_pair(checkpoints[0]) as handles:
+        yield handles
 
 
 @pytest.fixture(scope="module")
@@ -161,13 +170,8 @@ def test_kill_one_of_two_servers_mid_rollout(servers, tokenizer):
 @pytest.fixture
 def fresh_servers(checkpoints):
     """Two servers of this test's own (the module's pair may have one killed by an earlier test)."""
-    with ThreadPoolExecutor(2) as pool:
-        handles = list(pool.map(lambda _: start_server(checkpoints[0], extra_args=SERVER_ARGS), range(2)))
-    try:
+    with _server_pair(checkpoints[0]) as handles:
         yield handles
-    finally:
-        for h in handles:
-            h.stop()
 
 
 def test_seeded_requests_sample_the_same_whatever_the_order(fresh_servers, checkpoints, tokenizer):

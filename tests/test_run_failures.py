@@ -36,6 +36,11 @@ def _finish(proc, timeout: float = 600) -> str:
     return log
 
 
+def _last_line(log: str) -> str:
+    """The run's last console line (a run that stops says why there, in one line)."""
+    return [ln for ln in log.splitlines() if ln.strip()][-1]
+
+
 def _warnings(log: str) -> list[str]:
     return [ln for ln in log.splitlines() if " WARNING " in ln]
 
@@ -67,7 +72,7 @@ def test_wrong_setting_is_one_line_before_the_model_is_built(assets, tmp_path, c
     proc = start_train(config, assets)
     log = _finish(proc)
     assert proc.returncode == 2, log[-4000:]
-    last = [ln for ln in log.splitlines() if ln.strip()][-1]
+    last = _last_line(log)
     assert last.startswith("config error:") and field in last, log[-4000:]
     assert "Traceback" not in log
     full = (out / "logs" / "train.log").read_text()  # every INFO record; the console has warnings only
@@ -83,7 +88,7 @@ def test_reward_that_keeps_failing_stops_the_run_and_says_why(assets, tmp_path):
     proc = start_train(config, assets)
     log = _finish(proc)
     assert proc.returncode == 2, log[-4000:]
-    last = [ln for ln in log.splitlines() if ln.strip()][-1]
+    last = _last_line(log)
     assert last.startswith("reward error: reward 'parity_reward_mod:broken_reward' failed on"), last
     assert "KeyError: 'answer_format'" in last and "reward.max_failure_rate" in last
     assert "Traceback" not in log
@@ -96,15 +101,48 @@ def test_step_whose_requests_the_servers_reject_stops_the_run_with_their_message
     step stops the run with the server's 400 message instead of dropping every group for the whole
     run and exiting 0 having trained nothing."""
     out = tmp_path / "run"
-    sampling = {"extra": {"min_new_tokens": 5}}
-    config = run_config(assets, out, sections={"rollout": {"sampling": sampling}}, total_steps=4)
+    config = run_config(assets, out, sections={"rollout": {"sampling": {"extra": {"min_new_tokens": 5}}}},
+                        total_steps=4)
     proc = start_train(config, assets)
     log = _finish(proc)
     assert proc.returncode == 2, log[-4000:]
-    last = [ln for ln in log.splitlines() if ln.strip()][-1]
+    last = _last_line(log)
     assert last.startswith("rollout error: the servers rejected (4xx) the requests of 3 of 3 groups"), last
     assert "min_new_tokens must be in [0, max_new_tokens(3)]" in last and "rollout.max_failed_group_rate" in last
     assert len(_warnings(log)) <= 3, "\n".join(_warnings(log))
+
+
+def test_rejection_threshold_of_one_trains_on_with_one_warning_per_step(assets, tmp_path):
+    """rollout.max_failed_group_rate=1 turns the stop off: the run goes on, one warning per step."""
+    out = tmp_path / "run"
+    rollout = {"sampling": {"extra": {"min_new_tokens": 5}}, "max_failed_group_rate": 1.0}
+    config = run_config(assets, out, sections={"rollout": rollout}, total_steps=2, save_every=0)
+    proc = start_train(config, assets, "eval.every_n_steps=0")
+    log = _finish(proc)
+    assert proc.returncode == 0, log[-4000:]
+    rejected = [ln for ln in _warnings(log) if "rollout request(s) rejected (4xx)" in ln]
+    assert len(rejected) == 2, "\n".join(_warnings(log))
+
+
+def test_builtin_server_out_of_restarts_stops_the_run_naming_it(assets, tmp_path):
+    """rollout.max_server_restarts=0: a built-in server that dies is not restarted; the run stops
+    with one line naming the server and its log."""
+    out = tmp_path / "run"
+    rollout = {"client": {"health_timeout_s": 180, "max_retries": 2, "backoff_s": 0.2}, "max_server_restarts": 0}
+    config = run_config(assets, out, sections={"rollout": rollout}, total_steps=5, save_every=0)
+    proc = start_train(config, assets)
+    try:
+        _wait_for_step(proc, out, 2)
+        [killed] = server_pids(out)
+        os.kill(killed, signal.SIGKILL)
+        log = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, log[-4000:]
+    last = _last_line(log)
+    assert last.startswith("rollout error: built-in server") and "after 0 restart(s)" in last, last
+    assert "server_0.log" in last
 
 
 def test_killed_builtin_server_is_restarted_and_the_run_completes(assets, tmp_path):
@@ -148,7 +186,7 @@ def test_external_server_gone_for_good_is_named_in_one_line(assets, tmp_path, ti
     finally:
         server.stop()
     assert proc.returncode == 2, log[-4000:]
-    last = [ln for ln in log.splitlines() if ln.strip()][-1]
+    last = _last_line(log)
     assert last.startswith("rollout error:") and server.url in last, log[-4000:]
     assert "Traceback" not in log
     assert len(_warnings(log)) <= 6, "\n".join(_warnings(log))
