@@ -57,3 +57,31 @@ def test_uniform_groups_filtered_and_uneven_rows_dropped(tok):
     all_uniform = [_group(tok, "b", "2+2=", "4", ["4", "4"])]
     batch, m = build_experience(all_uniform, tok, RewardConfig(fn="arithmetic", num_workers=0), adv)
     assert batch is None and m["experience/num_samples"] == 0
+
+
+def test_reward_timeout_and_failure_rate_fields_act(tok, tmp_path, monkeypatch):
+    """reward.timeout_s bounds a plugin call; reward.max_failure_rate decides whether a step whose
+    reward function failed stops the run (RewardFailure) or trains on with a warning."""
+    import sys
+    import time
+
+    from megatron_bapo.experience import RewardFailure
+
+    (tmp_path / "slow_reward_mod.py").write_text(
+        "import time\n"
+        "def reward(response, answer):\n"
+        "    if response == '65':\n"
+        "        time.sleep(600)\n"
+        "    return float(response == answer)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + ":" + ":".join(sys.path))
+    groups = [_group(tok, "a", "12+34=", "64", ["64", "65", "64", "1"])]  # 1 of 4 hangs
+    fn = "slow_reward_mod:reward"
+    started = time.monotonic()
+    with pytest.raises(RewardFailure, match=r"failed on 1 of 4 responses \(timeout: 1\).*reward.max_failure_rate=0.2"):
+        build_experience(groups, tok, RewardConfig(fn=fn, num_workers=0, timeout_s=1.0, max_failure_rate=0.2),
+                         AdvantageConfig())
+    assert time.monotonic() - started < 60
+    batch, m = build_experience(groups, tok, RewardConfig(fn=fn, num_workers=0, timeout_s=1.0, max_failure_rate=0.5),
+                                AdvantageConfig())
+    assert m["reward/num_fn_failures"] == 1.0 and [s.reward for s in groups[0].samples] == [1.0, 0.0, 1.0, 0.0]
