@@ -106,8 +106,9 @@ class Driver:
         longest = max(len(p.prompt_ids) for p in self.dataset.prompts)
         prompt = max(longest, self.config.data.max_prompt_tokens or 0)
         for url, info in self.client.run(self.client.aget_server_info()).items():
-            ctx = info.get("context_length") or (info.get("max_req_input_len") or 0) + 1 or None
-            if ctx and ctx > 1 and prompt + ro.max_response_tokens > ctx:
+            max_input = info.get("max_req_input_len")
+            ctx = info.get("context_length") or (max_input + 1 if max_input else None)
+            if ctx and prompt + ro.max_response_tokens > ctx:
                 raise ConfigError(
                     f"rollout.max_response_tokens={ro.max_response_tokens} + the longest prompt ({prompt} tokens, "
                     f"data.max_prompt_tokens={self.config.data.max_prompt_tokens}) = {prompt + ro.max_response_tokens} "
