@@ -38,8 +38,9 @@ from megatron_bapo.sync.export import NullSink
 logger = logging.getLogger(__name__)
 
 SERVER_NCCL_ENV = "SGLANG_NCCL_VERSION"
-"""The servers' NCCL version when they do not report one (SGLang's `/server_info` does not): the
-image records the SGLang environment's NCCL here at build time (Dockerfile)."""
+"""The servers' NCCL version when they do not report one (SGLang's `/server_info` does not): this
+variable, or the file `$SGLANG_NCCL_VERSION_FILE` where the image records the SGLang environment's
+NCCL at build time (Dockerfile)."""
 
 
 class UpdateSession:
@@ -148,13 +149,18 @@ class WeightDelivery:
 def check_nccl(infos: dict[str, dict], *, mine: Optional[str] = None) -> None:
     """Refuse a weight group whose two ends run different NCCL versions (NCCL would refuse the
     communicator at its first collective). A server's version is its `/server_info` `nccl_version`
-    (the built-in server reports it), else `$SGLANG_NCCL_VERSION` (the image records SGLang's at
-    build time); when neither is known the check is skipped with a warning."""
+    (the built-in server reports it), else `$SGLANG_NCCL_VERSION` or the file
+    `$SGLANG_NCCL_VERSION_FILE` (the image records SGLang's at build time); when neither is known the
+    check is skipped with a warning."""
     from megatron_bapo.weight_update import nccl_version
 
     mine = mine or nccl_version()
+    recorded = os.environ.get(SERVER_NCCL_ENV)
+    if recorded is None and os.environ.get(SERVER_NCCL_ENV + "_FILE"):
+        path = Path(os.environ[SERVER_NCCL_ENV + "_FILE"])
+        recorded = path.read_text().strip() if path.exists() else None
     for url, info in infos.items():
-        theirs = (info or {}).get("nccl_version") or os.environ.get(SERVER_NCCL_ENV)
+        theirs = (info or {}).get("nccl_version") or recorded
         if theirs is None or mine is None:
             logger.warning("cannot compare NCCL versions with %s (trainer %s, server unknown; set %s)", url, mine,
                            SERVER_NCCL_ENV)
