@@ -127,8 +127,9 @@ def io_struct_classes(root: Path, names: set[str]) -> dict[str, Any]:
     ns = mod.__dict__
     exec("from __future__ import annotations\nimport msgspec, dataclasses\nfrom dataclasses import dataclass, field\n"
          "from typing import *\nfrom enum import Enum\n", ns)
-    msgspec_utils = load_module(root, "sglang.srt.utils.msgspec_utils")
-    ns["msgspec_struct_pydantic_core_schema"] = msgspec_utils.msgspec_struct_pydantic_core_schema
+    if (root / "srt" / "utils" / "msgspec_utils.py").exists():  # 0.5.23's request classes are msgspec Structs
+        msgspec_utils = load_module(root, "sglang.srt.utils.msgspec_utils")
+        ns["msgspec_struct_pydantic_core_schema"] = msgspec_utils.msgspec_struct_pydantic_core_schema
     for extra in ("sglang.srt.utils.weight_versions",):
         try:
             m = load_module(root, extra)
