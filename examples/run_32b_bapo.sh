@@ -15,7 +15,9 @@
 #
 # Layout (the first ACTOR_NODES nodes train, the rest serve rollouts):
 #   - rollout nodes: one SGLang server per ROLLOUT_TP GPUs (`python -m sglang.launch_server`, one
-#     `srun` job step each), plus `sglang-router` on the first rollout node in front of them;
+#     `srun` job step each), plus `sglang-router` on the first rollout node in front of them; the
+#     servers get the flags the weight sync relies on (read from the run config: see
+#     `sync_server_flags` in slurm_common.sh), which DRY_RUN shows;
 #   - the script waits for every server's and the router's /health;
 #   - actor nodes: one `srun` step, one `torchrun` per node (GPUS_PER_NODE ranks each) running
 #     `python -m megatron_bapo.train` with the weight sync over NCCL (sync.method=distributed:
@@ -43,7 +45,7 @@
 #   SERVER_ARGS       extra arguments for sglang.launch_server ("")
 #   ROUTER_ARGS       extra arguments for sglang_router.launch_router ("--policy cache_aware")
 #   PYTHON            python of the actor inside the job (python)
-#   SGLANG_PYTHON     python with sglang and sglang-router ($PYTHON; the Dockerfile sets /opt/sglang/bin/python)
+#   SGLANG_PYTHON     python with sglang and sglang-router ($PYTHON; the Dockerfile's /opt/venv has both sides)
 #   CONTAINER_IMAGE   if set, every srun runs in this image (pyxis; see Dockerfile); CONTAINER_MOUNTS too
 #   HEALTH_TIMEOUT    seconds to wait for servers and router (1800)
 #   CLEANUP_TIMEOUT   seconds between SIGTERM and SIGKILL at cleanup (60)
@@ -92,6 +94,8 @@ read -r -a ROUTER_EXTRA <<<"$ROUTER_ARGS"
 is_dry_run || mkdir -p "$LOG_DIR"
 install_cleanup_trap
 log "actor nodes: ${ACTOR[*]}; rollout nodes: ${ROLLOUT[*]}; logs in $LOG_DIR"
+sync_server_flags "$CONFIG" "$@"
+log "server flags the weight sync relies on: ${SYNC_FLAGS[*]}"
 
 # 1. SGLang servers: one per ROLLOUT_TP GPUs of every rollout node.
 WORKER_URLS=()
@@ -103,7 +107,7 @@ for node in "${ROLLOUT[@]}"; do
       --gpus="$ROLLOUT_TP" --exact --kill-on-bad-exit=1 \
       "$SGLANG_PYTHON" -m sglang.launch_server --model-path "$MODEL_DIR" --tp-size "$ROLLOUT_TP" \
       --host 0.0.0.0 --port "$port" --context-length "$CONTEXT_LENGTH" \
-      --mem-fraction-static "$MEM_FRACTION" --trust-remote-code "${SERVER_EXTRA[@]}"
+      --mem-fraction-static "$MEM_FRACTION" --trust-remote-code "${SYNC_FLAGS[@]}" "${SERVER_EXTRA[@]}"
     SERVER_PIDS+=("$BG_PID")
     WORKER_URLS+=("http://$node:$port")
   done

@@ -104,3 +104,17 @@ def test_32b_servers_use_their_own_python():
 def test_dockerfile_hadolint_clean():
     out = subprocess.run([_tool("hadolint"), "Dockerfile"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_32b_dry_run_shows_the_server_flags_the_sync_relies_on():
+    """The servers get what the run config asks of them (read by the script as the trainer reads it):
+    seeds need --enable-deterministic-inference, an in-place pause needs --disable-radix-cache."""
+    def flags(*args: str) -> str:
+        lines = _dry_run("examples/run_32b_bapo.sh", *args, ACTOR_NODES="1", ROLLOUT_NODES="1")
+        return [ln for ln in lines if "sglang.launch_server" in ln][0]
+
+    plain = flags()  # the 32B config: abort pause, no seeds
+    assert "--weight-version 0" in plain
+    assert "--enable-deterministic-inference" not in plain and "--disable-radix-cache" not in plain
+    both = flags("rollout.deterministic_inference=true", "sync.pause_mode=in_place")
+    assert "--enable-deterministic-inference" in both and "--disable-radix-cache" in both
