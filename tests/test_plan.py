@@ -58,6 +58,27 @@ def test_32b_true_parameter_count_and_fit(tmp_path):
     assert no_recompute.returncode == 1, no_recompute.stdout  # the exit status follows actor.recompute
 
 
+QWEN3_RECIPES = {  # config, HF config, GPUs, (tp, pp, cp, dp), the HF model's parameter count
+    "qwen3-32b": ("qwen3-32b-bapo-64k.yaml", "qwen3-32b-config.json", 64, (8, 2, 2, 2), 32_762_123_264),
+    "qwen3-8b": ("qwen3-8b-bapo.yaml", "qwen3-8b-config.json", 8, (4, 1, 2, 1), 8_190_735_360),
+}
+
+
+@pytest.mark.parametrize("recipe", list(QWEN3_RECIPES))
+def test_qwen3_recipes_count_the_hf_models_parameters_and_fit_as_configured(tmp_path, recipe):
+    """The planner's count (megatron-core meta build: q/k norms, head_dim 128 != hidden/heads) equals the HF
+    model's own, and each recipe's layout fits with the recompute it sets (exit status 0)."""
+    cfg, hf_cfg, gpus, layout, num_params = QWEN3_RECIPES[recipe]
+    hf = json.loads((ROOT / "examples/configs" / hf_cfg).read_text())
+    assert hf_num_params(hf) == num_params
+    out = _plan("--config", str(ROOT / "examples/configs" / cfg), "--hf-config", str(ROOT / "examples/configs" / hf_cfg),
+                "--gpus", str(gpus), "--json-out", str(tmp_path / "p.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["num_parameters"] == plan["num_parameters_padded"] == num_params  # 151936 = 1187 x 128
+    assert (plan["tp"], plan["pp"], plan["cp"], plan["dp"]) == layout
+
+
 @pytest.mark.parametrize(
     "override, gpus, field",
     [("actor.parallel.tp=3", 64, "actor.parallel.tp=3 must divide num_attention_heads=40"),
