@@ -138,7 +138,11 @@ def _qwen3(cfg: Any, vocab_divisible_by: int) -> ModelArgs:
     """Qwen3 dense: RMSNorm on every query and key head before RoPE (megatron-core `qk_layernorm`,
     one `head_dim` weight shared by all heads), no biases, an explicit `head_dim` that may differ
     from hidden_size / num_attention_heads (`kv_channels`), tied (0.6B-4B) or untied (8B+) head."""
-    arch = "Qwen3ForCausalLM"
+    return _qwen3_attention(cfg, "Qwen3ForCausalLM", vocab_divisible_by)
+
+
+def _qwen3_attention(cfg: Any, arch: str, vocab_divisible_by: int) -> ModelArgs:
+    """What every Qwen3 shares (the attention, norms, RoPE): a Qwen3 MoE adds its experts to these."""
     if _get(cfg, "attention_bias", False):
         # HF puts the bias on o_proj too; megatron's add_qkv_bias covers q/k/v only.
         raise ValueError(f"{arch}: attention_bias=True is not supported (no released Qwen3 uses it)")
