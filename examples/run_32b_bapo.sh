@@ -110,7 +110,7 @@ read -r -a ROUTER_EXTRA <<<"$ROUTER_ARGS"
 
 is_dry_run || mkdir -p "$LOG_DIR"
 install_cleanup_trap
-log "recipe $RECIPE: config $CONFIG, model $MODEL_DIR"
+log "recipe $RECIPE: config $CONFIG, model $MODEL_DIR${SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN:+, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=$SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN}"
 log "actor nodes: ${ACTOR[*]}; rollout nodes: ${ROLLOUT[*]}; logs in $LOG_DIR"
 
 # 1. SGLang servers: one per ROLLOUT_TP GPUs of every rollout node.

@@ -103,12 +103,14 @@ def test_recipe_configs_are_valid_run_configs_with_the_paper_hyperparameters(nam
 )
 def test_32b_script_takes_the_recipe_through_a_variable(recipe, config, model, nodes, server_args):
     """RECIPE picks the run YAML, the checkpoint and (8B) the node split; DRY_RUN shows all of it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SGLANG_"))}
     env.update(DRY_RUN="1", RECIPE=recipe)
     out = subprocess.run(["bash", str(ROOT / "examples/run_32b_bapo.sh")], capture_output=True, text=True, env=env,
                          timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert f"recipe {recipe}: config {ROOT}/examples/configs/{config}, model {model}" in out.stderr
+    # 64k is past Qwen3-32B's 40960 positions: SGLang is told to accept the longer context (docs/cluster.md)
+    assert ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1" in out.stderr) == (recipe == "qwen3-32b")
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("+")]
     servers = [ln for ln in lines if "sglang.launch_server" in ln]
     assert servers and all(f"--model-path {model} " in s for s in servers)
