@@ -132,7 +132,9 @@ def test_first_update_sees_the_servers_logprobs_at_temperature(request, tmp_path
 
 RECIPE = dict(
     trainer={"total_steps": 3},
-    rollout={"max_response_tokens": 8, "segment_tokens": 4, "max_staleness": 2, "prompts_per_step": 4},
+    # Seeded sampling (sent only to servers with deterministic inference) makes both runs' rollouts identical.
+    rollout={"max_response_tokens": 8, "segment_tokens": 4, "max_staleness": 2, "prompts_per_step": 4,
+             "deterministic_inference": True},
     actor={"recompute": "full", "use_distributed_optimizer": True, "packing": True, "dtype": "float32",
            "max_tokens_per_microbatch": 96},
 )
