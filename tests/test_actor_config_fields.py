@@ -53,24 +53,27 @@ def _build_and_step(rank, world_size, layout):
     from megatron.core import tensor_parallel
 
     import megatron_bapo.actor.actor as actor_mod
+    import megatron_bapo.actor.scatter as scatter_mod
     from megatron_bapo.actor import ActorConfig
     from megatron_bapo.actor.actor import Actor
+    from megatron_bapo.actor.scatter import PreparedBatch
     from megatron_bapo.config_io import from_dict
 
     spies = {name: Recorder(getattr(actor_mod, name))
-             for name in ("search_clip_bounds", "policy_loss", "vocab_parallel_logprobs", "aggregation_weights")}
+             for name in ("search_clip_bounds", "policy_loss", "vocab_parallel_logprobs")}
+    spies["aggregation_weights"] = Recorder(scatter_mod.aggregation_weights)
     for name, spy in spies.items():
-        setattr(actor_mod, name, spy)
+        setattr(scatter_mod if name == "aggregation_weights" else actor_mod, name, spy)
     cfg = from_dict(ActorConfig, {**layout, "bapo": BAPO}, "actor")
     actor = Actor(cfg, TINY4)
     b = make_batch(num_seqs=8, max_len=24, seed=5)
     b["behavior_logprobs"] = actor.compute_logprobs(b) - 0.05
     for spy in spies.values():
         spy.calls.clear()
-    mini = {k: v[:4] for k, v in actor._prepare(b).items()}
-    mini["weights"] = torch.ones_like(mini["loss_mask"])
-    num_microbatches = len(actor._microbatches(mini))
-    packed_microbatches = ["cu_seqlens" in mb for mb in actor._microbatches(mini)]
+    first = PreparedBatch(b, actor.batch_spec).for_rank(actor.coords).minibatches[0].microbatches  # rows 0-3
+    num_microbatches = len(first)
+    packed_microbatches = ["cu_seqlens" in mb for mb in first]
+    spies["aggregation_weights"].calls.clear()
     metrics = actor.train_step(b)
     bad = dict(b, advantages=b["advantages"] * float("nan"))
     with pytest.raises(RuntimeError, match="max_skipped_steps"):
