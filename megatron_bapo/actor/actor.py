@@ -48,6 +48,7 @@ from megatron_bapo.actor.scatter import (
 from megatron_bapo.algorithms import aggregation_weights, clamped_log_ratio, policy_loss, search_clip_bounds
 from megatron_bapo.models.builder import build_gpt_model
 from megatron_bapo.models.context_parallel import chunk_index, packed_index
+from megatron_bapo.models.layer_spec import describe_attention, resolve_layer_spec
 from megatron_bapo.models.parallel import ParallelGroups, initialize_model_parallel
 
 logger = logging.getLogger(__name__)
@@ -79,11 +80,16 @@ class Actor:
         if pc.pp > 1 and not pc.vpp:
             # Interleaved schedules exchange one fixed shape instead: `_microbatches` pads to it.
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        spec = resolve_layer_spec(config.layer_spec)
         chunks = [
-            build_gpt_model(hf_config, dtype=dtype, vp_stage=stage if pc.vpp else None,
+            build_gpt_model(hf_config, dtype=dtype, vp_stage=stage if pc.vpp else None, use_te=spec.use_te,
                             vocab_divisible_by=config.vocab_divisible_by, config_overrides=overrides)
             for stage in range(pc.vpp or 1)
         ]
+        fused = sorted(k.replace("_fusion", "") for k, v in vars(chunks[0].config).items()
+                       if k.endswith("_fusion") and v is True)
+        logger.info("model: %s layer spec (%s); %s; fusions: %s", "transformer_engine" if spec.use_te else "local",
+                    spec.reason, describe_attention(chunks[0].config, spec.use_te), ", ".join(fused) or "none")
         self.hf_vocab_size = chunks[0].hf_vocab_size
         self.layout = MicroBatchLayout(
             packed=config.packing, cp_size=self.parallel.cp_size, cp_rank=self.parallel.cp_rank,
