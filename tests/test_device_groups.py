@@ -87,3 +87,24 @@ def test_actor_step_sends_no_host_tensor_over_device_groups(run_dist, scope):
         assert res["metrics"]["bapo/c_high"] >= 1.2
         assert res["collectives"][("all_reduce", "DATA_PARALLEL_GROUP_WITH_CP")] >= 2  # searches at least
     torch.testing.assert_close(results[0]["lp"], results[1]["lp"], atol=0, rtol=0)
+
+
+def _export(rank, world_size, out):
+    from megatron_bapo.actor import ActorConfig
+    from megatron_bapo.actor.actor import Actor
+    from megatron_bapo.convert.live import save_model_as_hf
+    from megatron_bapo.models.parallel import ParallelConfig
+
+    with StrictDevices() as sd:
+        actor = Actor(ActorConfig(parallel=ParallelConfig(pp=2)), TINY_QWEN2)
+        save_model_as_hf(actor.model, TINY_QWEN2, out, parallel=actor.parallel)
+        return dict(sd.collectives)
+
+
+def test_weight_export_across_pipeline_stages_sends_device_tensors(run_dist, tmp_path):
+    """The weight sync's gather (stage 1 sends its layers to stage 0) allocates its receive buffers
+    on the parameters' device."""
+    for collectives in run_dist(_export, 2, tmp_path / "hf", timeout=120):
+        assert collectives[("send" if collectives.get(("send", "PIPELINE_MODEL_PARALLEL_GROUP")) else "recv",
+                            "PIPELINE_MODEL_PARALLEL_GROUP")] > 0
+    assert (tmp_path / "hf" / "config.json").is_file()
