@@ -197,12 +197,15 @@ class PreparedBatch:
             self.minibatches.append((mini, rows_plan, not finite, denominator))
         self.metrics = staleness_metrics(batch.get("versions"), data["loss_mask"], current_version,
                                          [slices[i] for i in self.schedule])
+        self._built: dict[tuple[int, int, int], list[dict]] = {}  # (mini-batch, DP rank, CP rank): its micro-batches
 
     def for_rank(self, coords: RankCoords) -> RankBatch:
         work = []
-        for mini, rows_plan, skip, denominator in self.minibatches:
-            mbs = [] if skip else [stage_view(mb, coords) for mb in
-                                   local_microbatches(mini, rows_plan, self.spec, coords.dp_rank, coords.cp_rank)]
+        for i, (mini, rows_plan, skip, denominator) in enumerate(self.minibatches):
+            key = (i, coords.dp_rank, coords.cp_rank)
+            if not skip and key not in self._built:  # pipeline stages of one DP x CP rank share them
+                self._built[key] = local_microbatches(mini, rows_plan, self.spec, coords.dp_rank, coords.cp_rank)
+            mbs = [] if skip else [stage_view(mb, coords) for mb in self._built[key]]
             work.append(MiniBatchWork(skip=skip, denominator=denominator, microbatches=mbs))
         return RankBatch(temperature=self.temperature, num_tokens=self.num_tokens, minibatches=work,
                          schedule=list(self.schedule), metrics=dict(self.metrics))
