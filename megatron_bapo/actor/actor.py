@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -126,6 +127,10 @@ class Actor:
         )
         self.num_updates = 0
         self.num_skipped_steps = 0
+        self.phase_times = {"search": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
+        """This rank's wall seconds per phase of the last `train_step`, summed over its optimizer steps:
+        the forward-only pass + bound search, forward/backward, grad norm + optimizer (diagnostics,
+        e.g. benchmarks/gpu_bench.py; they differ across ranks, unlike the returned metrics)."""
         logger.info("actor built: %s parameters on this rank, %s, %s micro-batches, %s optimizer",
                     f"{sum(p.numel() for m in self.model for p in m.parameters()):,}", config.dtype,
                     "packed" if config.packing else "padded",
@@ -263,6 +268,7 @@ class Actor:
         """
         if not isinstance(batch, RankBatch):
             batch = PreparedBatch(batch, self.batch_spec, current_version).for_rank(self.coords)
+        self.phase_times = dict.fromkeys(self.phase_times, 0.0)
         steps = [self._minibatch_step(batch.minibatches[i], batch.temperature) for i in batch.schedule]
         out = average_steps(steps)
         out["actor/num_optimizer_steps"] = float(len(steps))
@@ -319,6 +325,7 @@ class Actor:
         mbs = work.microbatches
         acc = MetricSums(self.device)
         bounds = None
+        t0 = time.perf_counter()
         if self.config.search_scope == "minibatch":
             stored = self._forward_only(mbs, temperature)
             if self.parallel.is_last_stage:
@@ -331,6 +338,7 @@ class Actor:
                 adv = torch.cat([mb["advantages"].to(dev)[k] for mb, k in zip(mbs, masks)])
                 res = self._search(lp, beh, adv, torch.ones_like(lp), acc)
                 bounds = (res.c_low, res.c_high)
+        t1 = time.perf_counter()  # the search's result is on the host: the pass has finished
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
@@ -341,6 +349,7 @@ class Actor:
             acc.add_stats(stats)
         sums = self._share_from_last_stage(acc.sums)
         search = self._share_from_last_stage(acc.search, reduce_dp=False)
+        t2 = time.perf_counter()  # the loss sums are on the host: forward/backward has finished
         metrics = MetricSums.finalize(torch.cat([sums, search]))
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         grad_norm = self._grad_norm_or_skip(metrics["actor/loss"])
@@ -349,6 +358,8 @@ class Actor:
             self.scheduler.step(increment=1)
             self.num_updates += 1
         metrics["actor/grad_norm"] = float("nan") if grad_norm is None else grad_norm
+        for phase, seconds in (("search", t1 - t0), ("forward_backward", t2 - t1), ("optimizer", time.perf_counter() - t2)):
+            self.phase_times[phase] += seconds
         return metrics
 
     def _grad_norm_or_skip(self, loss: float) -> Optional[float]:
