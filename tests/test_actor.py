@@ -100,11 +100,12 @@ def test_pp2_1f1b_equals_pp1(run_dist, tmp_path):
 
 
 def _bounds(rank, world_size, scope):
+    from megatron_bapo.actor.scatter import prepare_tensors
     from megatron_bapo.algorithms import search_clip_bounds
 
     actor = _actor(scope=scope, budget=10_000 if scope == "minibatch" else 10_000)
     b = _near_batch(actor, seed=3, num_seqs=12)
-    prepared = actor._prepare(b)
+    prepared = prepare_tensors(b)
     lp = actor.compute_logprobs(b)
     mask = prepared["loss_mask"]
     ratio = torch.exp((lp - prepared["behavior_logprobs"]) * mask)

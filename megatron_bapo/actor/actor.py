@@ -6,9 +6,12 @@ One `train_step(batch)` = `ppo_epochs` x `n_minibatches` optimizer steps. Per mi
   3. megatron's `get_forward_backward_func()` over token-budget micro-batches with `policy_loss`;
   4. grad norm; a non-finite one skips the step on every rank; else optimizer + LR schedule step.
 
-Micro-batches are packed (THD) or padded and sliced per context-parallel rank by `actor.layout`;
-log-probs and entropy are those of the sampling distribution softmax(logits / T), T being the
-rollout temperature the batch carries.
+A step trains on this rank's slice of the batch (`actor.scatter`: its DP rank's micro-batches, its
+context-parallel chunks, its pipeline stage's keys), cut here from the global batch or received from
+the trainer's rank 0. Micro-batches are packed (THD) or padded by `actor.layout`; log-probs and
+entropy are those of the sampling distribution softmax(logits / T), T being the rollout temperature
+the batch carries, passed explicitly down to the loss. Every tensor a collective over a device
+(NCCL) group carries lives on `Actor.device` (docs/parallelism.md).
 
 Global aggregation: every token carries an aggregation weight computed on the whole mini-batch
 (`aggregation_weights`: token-mean, or a sequence mean that would otherwise need a sequence's
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bapo.actor.config import ActorConfig
-from megatron_bapo.actor.layout import POSITION_KEYS, MicroBatchLayout
+from megatron_bapo.actor.layout import POSITION_KEYS, MicroBatchLayout, local_position_ids
 from megatron_bapo.actor.logprobs import vocab_parallel_logprobs
 from megatron_bapo.actor.metrics import MetricSums, acc_keys, average_steps
 from megatron_bapo.actor.scatter import (
@@ -44,11 +47,9 @@ from megatron_bapo.actor.scatter import (
     check_batch,
     local_microbatches,
     plan,
-    prepare_tensors,
 )
-from megatron_bapo.algorithms import aggregation_weights, clamped_log_ratio, policy_loss, search_clip_bounds
+from megatron_bapo.algorithms import clamped_log_ratio, policy_loss, search_clip_bounds
 from megatron_bapo.models.builder import build_gpt_model
-from megatron_bapo.models.context_parallel import chunk_index, packed_index
 from megatron_bapo.models.layer_spec import describe_attention, resolve_layer_spec
 from megatron_bapo.models.parallel import ParallelGroups, initialize_model_parallel
 
@@ -79,7 +80,7 @@ class Actor:
         overrides = dict(calculate_per_token_loss=True, sequence_parallel=pc.sequence_parallel,
                          **config.recompute_overrides())
         if pc.pp > 1 and not pc.vpp:
-            # Interleaved schedules exchange one fixed shape instead: `_microbatches` pads to it.
+            # Interleaved schedules exchange one fixed shape instead (`BatchSpec.common_shape` pads to it).
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
         spec = resolve_layer_spec(config.layer_spec)
         chunks = [
@@ -160,13 +161,6 @@ class Actor:
         """Where the model's parameters live: every tensor a device-group collective carries goes here."""
         return next(self.model[0].parameters()).device
 
-    def _position_ids(self, mb: dict) -> torch.Tensor:
-        rows, width = mb["shape"]
-        if "cu_seqlens" in mb:
-            slots = (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()
-            return packed_index(slots, self.layout.cp_size, self.layout.cp_rank)[2].unsqueeze(0)
-        return chunk_index(width * self.layout.cp_size, self.layout.cp_size, self.layout.cp_rank).expand(rows, -1)
-
     # ------------------------------------------------------------------ model passes
     def _forward_step(self, loss_fn, data_iterator, model):
         mb = next(data_iterator)
@@ -182,7 +176,7 @@ class Actor:
         ids = positions = None
         if "input_ids" in mb:  # the first pipeline stage; later stages take the previous stage's output
             ids = mb["input_ids"].to(dev).long()
-            positions = self._position_ids(mb).to(dev)
+            positions = local_position_ids(mb, self.layout).to(dev)
         logits = model(ids, positions, None, packed_seq_params=packed)
         return logits, partial(loss_fn, mb)
 
@@ -247,10 +241,6 @@ class Actor:
         return t.cpu()
 
     # ------------------------------------------------------------------ training
-    def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Typed copies; loss only on real tokens after position 0 (`actor.scatter.prepare_tensors`)."""
-        return prepare_tensors(batch)
-
     def train_step(self, batch: Union[dict[str, Any], RankBatch], *,
                    current_version: Optional[int] = None) -> dict[str, float]:
         """`ppo_epochs` x `n_minibatches` BAPO optimizer steps on the global batch.

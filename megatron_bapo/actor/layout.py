@@ -178,6 +178,16 @@ def pad_packed_microbatch(mb: dict, local_length: int, layout: MicroBatchLayout)
     return out
 
 
+def local_position_ids(mb: dict, layout: MicroBatchLayout) -> torch.Tensor:
+    """The `position_ids` of a micro-batch rebuilt from its shape (and `cu_seqlens` when packed), so
+    they need not travel with it: positions restart per packed slot, chunked per CP rank."""
+    rows, width = mb["shape"]
+    if "cu_seqlens" in mb:
+        slots = (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()
+        return packed_index(slots, layout.cp_size, layout.cp_rank)[2].unsqueeze(0)
+    return chunk_index(width * layout.cp_size, layout.cp_size, layout.cp_rank).expand(rows, -1)
+
+
 def empty_like_microbatch(mb: dict) -> dict:
     """A copy of `mb` that trains nothing (a filler for ranks with fewer micro-batches)."""
     out = dict(mb)
