@@ -7,7 +7,7 @@ sync. Every such evaluation is a function of two vectors over the bound grid onl
     P[k] = positive contribution with c_high = c_high_k      (k = 0..K)
     N[j] = negative contribution with c_low  = c_low_j       (j = 0..J)
 
-because positive tokens depend only on c_high and negative tokens only on c_low (design §4). So we
+because positive tokens depend only on c_high and negative tokens only on c_low (design section 4). So we
 bucketize each token's ratio into the grid once, scatter-add its contribution into a bin, turn the
 bins into P and N with a prefix/suffix sum, all-reduce the concatenated vector once (float64, so
 every rank holds bit-identical sums) and walk the search path on the host. Every rank then takes
@@ -68,7 +68,7 @@ def bound_grid(start: float, stop: float, step: float, *, clamp_to_stop: bool) -
 
 
 def balance_metric(pos: float, neg: float, metric: str) -> float:
-    """Positive-contribution balance from the sums P and N (design §4).
+    """Positive-contribution balance from the sums P and N (design section 4).
 
     share   = P / (P + N), 1 when P + N == 0 (nothing to balance: the search does not move)
     printed = P / |P - N|, the paper's denominator read literally; inf when P == N > 0, 1 when both are 0
