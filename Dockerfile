@@ -1,40 +1,51 @@
-# megatron_bapo on NVIDIA's PyTorch container (CUDA, NCCL, cuDNN, Transformer Engine and Apex included).
+# megatron_bapo on NVIDIA's PyTorch container, with SGLang and the Megatron actor in ONE environment.
 #
-#   docker build -t megatron-bapo .
+#   docker build $(sed -n 's/^\([A-Z_]*\)=\(.*\)/--build-arg \1=\2/p' pins.env) -t megatron-bapo .
 #   # SLURM with pyxis/enroot: CONTAINER_IMAGE=megatron-bapo sbatch examples/run_32b_bapo.sh
 #
-# Two Python environments, on purpose:
-#   - the container's own Python runs the Megatron actor: its torch is the build TE and Apex were
-#     compiled against, and NGC's pip constraint file (PIP_CONSTRAINT) keeps it from being replaced;
-#   - /opt/sglang (a separate venv, SGLANG_PYTHON) runs SGLang and sglang-router, which pin their own
-#     torch/flashinfer builds. Installing SGLang next to the actor would swap the torch under TE/Apex.
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.04-py3
+# Every version is in pins.env (the ARG defaults below repeat it; the command above passes the file).
+#
+# One environment, on purpose: the distributed weight sync puts trainer rank 0 and every SGLang TP
+# rank in one NCCL communicator, and NCCL refuses ranks that run different NCCL versions. SGLang pins
+# its own torch (and through it its NCCL wheel), so /opt/venv is SGLang's resolved environment and
+# the actor runs in it too: Transformer Engine is built there against that torch (the base image
+# gives the CUDA toolkit, cuDNN and compilers; its own torch is not used by either side), then
+# megatron-core and this project. The build records that environment's NCCL version
+# (SGLANG_NCCL_VERSION), which the trainer compares with its own before joining the weight group.
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
 FROM ${BASE_IMAGE}
 
-ARG SGLANG_VERSION=0.5.2
-ARG SGLANG_ROUTER_VERSION=0.2.1
+ARG SGLANG_VERSION=0.5.23
+ARG SGLANG_ROUTER_VERSION=0.3.2
 ARG MEGATRON_CORE_VERSION=0.16.1
+ARG TRANSFORMER_ENGINE_VERSION=2.20.2
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
-    SGLANG_PYTHON=/opt/sglang/bin/python
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:${PATH} \
+    SGLANG_PYTHON=/opt/venv/bin/python
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# Rollout side: SGLang + router in their own environment (no NGC constraints apply there).
-RUN python -m venv /opt/sglang \
- && PIP_CONSTRAINT="" /opt/sglang/bin/pip install \
-      "sglang[srt]==${SGLANG_VERSION}" "sglang-router==${SGLANG_ROUTER_VERSION}" \
- && /opt/sglang/bin/python -c "import sglang, sglang_router"
+# SGLang, its router and the torch/NCCL it pins: the environment both sides run in. NGC's pip
+# constraint file (which pins the base image's torch) does not apply to this venv.
+RUN python -m venv /opt/venv \
+ && PIP_CONSTRAINT="" pip install "sglang==${SGLANG_VERSION}" "sglang-router==${SGLANG_ROUTER_VERSION}" \
+ && python -c "import sglang, sglang_router, torch; assert torch.cuda.nccl.version()"
 
-# Actor side: megatron-core on the container's torch (TE and Apex come with the base image).
-RUN pip install "megatron-core==${MEGATRON_CORE_VERSION}" \
- && python -c "import megatron.core, transformer_engine.pytorch, apex"
+# The actor side in the same environment: TE built against this torch, then megatron-core.
+RUN PIP_CONSTRAINT="" pip install --no-build-isolation "transformer-engine[pytorch]==${TRANSFORMER_ENGINE_VERSION}" \
+ && PIP_CONSTRAINT="" pip install "megatron-core==${MEGATRON_CORE_VERSION}" \
+ && python -c "import megatron.core, transformer_engine.pytorch"
 
 WORKDIR /workspace/megatron_bapo
 COPY . .
-RUN pip install './[dev]' \
- && python -c "import megatron_bapo.actor, megatron_bapo.planner, megatron_bapo.sync"
+RUN PIP_CONSTRAINT="" pip install './[dev]' \
+ && python -c "import megatron_bapo.actor, megatron_bapo.planner, megatron_bapo.sync.export" \
+ && python -c "import torch; print('.'.join(map(str, torch.cuda.nccl.version())))" > /opt/venv/sglang_nccl_version
 
+# The NCCL the SGLang servers run (the same environment as the actor): the weight-group check reads it.
+ENV SGLANG_NCCL_VERSION_FILE=/opt/venv/sglang_nccl_version
 CMD ["python", "tools/plan.py", "--help"]

@@ -8,14 +8,18 @@
 #SBATCH --time=72:00:00
 #SBATCH --output=bapo-32b-%j.out
 #
-# BAPO on a 32B Qwen2.5-architecture policy with 64k responses (partial rollouts) on a SLURM cluster.
+# BAPO on a 32B policy with 64k responses (partial rollouts) on a SLURM cluster; RECIPE picks the model.
 #
 #   sbatch examples/run_32b_bapo.sh [section.key=value ...]        (overrides go to the trainer)
+#   RECIPE=qwen3-32b sbatch examples/run_32b_bapo.sh                (Qwen3-32B, 64k responses)
+#   RECIPE=qwen3-8b sbatch --nodes=2 examples/run_32b_bapo.sh       (Qwen3-8B: 1 actor + 1 rollout node)
 #   DRY_RUN=1 bash examples/run_32b_bapo.sh                         (print every command, run nothing)
 #
 # Layout (the first ACTOR_NODES nodes train, the rest serve rollouts):
 #   - rollout nodes: one SGLang server per ROLLOUT_TP GPUs (`python -m sglang.launch_server`, one
-#     `srun` job step each), plus `sglang-router` on the first rollout node in front of them;
+#     `srun` job step each), plus `sglang-router` on the first rollout node in front of them; the
+#     servers get the flags the weight sync relies on (read from the run config: see
+#     `sync_server_flags` in slurm_common.sh), which DRY_RUN shows;
 #   - the script waits for every server's and the router's /health;
 #   - actor nodes: one `srun` step, one `torchrun` per node (GPUS_PER_NODE ranks each) running
 #     `python -m megatron_bapo.train` with the weight sync over NCCL (sync.method=distributed:
@@ -24,9 +28,12 @@
 # Check the layout first: python tools/plan.py --config "$CONFIG" --hf-config "$MODEL_DIR" --gpus 64
 #
 # Environment (default):
+#   RECIPE            qwen2.5-32b | qwen3-32b | qwen3-8b: the defaults of CONFIG, MODEL_DIR, OUTPUT_DIR
+#                     and, for qwen3-8b, ACTOR_NODES=1 ROLLOUT_NODES=1 ROLLOUT_TP=1 CONTEXT_LENGTH=36864
+#                     (qwen2.5-32b); every variable below set explicitly wins over the recipe's default
 #   REPO_DIR          checkout of this project on the shared file system ($SLURM_SUBMIT_DIR)
-#   CONFIG            run YAML ($REPO_DIR/examples/configs/qwen2.5-32b-bapo-64k.yaml)
-#   MODEL_DIR         HF checkpoint of the initial policy (/models/Qwen2.5-32B)
+#   CONFIG            run YAML ($REPO_DIR/examples/configs/<recipe>.yaml)
+#   MODEL_DIR         HF checkpoint of the initial policy (/models/Qwen2.5-32B, /models/Qwen3-32B, ...)
 #   DATA_PATH         prompt file, jsonl or parquet (/data/skywork-or1-rl.parquet)
 #   OUTPUT_DIR        checkpoints, TensorBoard, logs (/checkpoints/bapo-32b-64k)
 #   LOG_DIR           per-step logs ($OUTPUT_DIR/logs/$SLURM_JOB_ID)
@@ -43,7 +50,7 @@
 #   SERVER_ARGS       extra arguments for sglang.launch_server ("")
 #   ROUTER_ARGS       extra arguments for sglang_router.launch_router ("--policy cache_aware")
 #   PYTHON            python of the actor inside the job (python)
-#   SGLANG_PYTHON     python with sglang and sglang-router ($PYTHON; the Dockerfile sets /opt/sglang/bin/python)
+#   SGLANG_PYTHON     python with sglang and sglang-router ($PYTHON; the Dockerfile's /opt/venv has both sides)
 #   CONTAINER_IMAGE   if set, every srun runs in this image (pyxis; see Dockerfile); CONTAINER_MOUNTS too
 #   HEALTH_TIMEOUT    seconds to wait for servers and router (1800)
 #   CLEANUP_TIMEOUT   seconds between SIGTERM and SIGKILL at cleanup (60)
@@ -54,10 +61,24 @@ REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/..
 # shellcheck source=examples/slurm_common.sh
 source "$REPO_DIR/examples/slurm_common.sh"
 
-CONFIG=${CONFIG:-$REPO_DIR/examples/configs/qwen2.5-32b-bapo-64k.yaml}
-MODEL_DIR=${MODEL_DIR:-/models/Qwen2.5-32B}
+RECIPE=${RECIPE:-qwen2.5-32b}
+case "$RECIPE" in
+  qwen2.5-32b)
+    : "${CONFIG:=$REPO_DIR/examples/configs/qwen2.5-32b-bapo-64k.yaml}" "${MODEL_DIR:=/models/Qwen2.5-32B}"
+    : "${OUTPUT_DIR:=/checkpoints/bapo-32b-64k}" ;;
+  qwen3-32b)
+    : "${CONFIG:=$REPO_DIR/examples/configs/qwen3-32b-bapo-64k.yaml}" "${MODEL_DIR:=/models/Qwen3-32B}"
+    : "${OUTPUT_DIR:=/checkpoints/bapo-qwen3-32b-64k}"
+    # 64k responses run past Qwen3's max_position_embeddings (40960); SGLang refuses a longer
+    # --context-length unless told to accept it (the trainer uses the same plain RoPE: docs/cluster.md).
+    export SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=${SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN:-1} ;;
+  qwen3-8b)
+    : "${CONFIG:=$REPO_DIR/examples/configs/qwen3-8b-bapo.yaml}" "${MODEL_DIR:=/models/Qwen3-8B}"
+    : "${OUTPUT_DIR:=/checkpoints/bapo-qwen3-8b}" "${ACTOR_NODES:=1}" "${ROLLOUT_NODES:=1}" "${ROLLOUT_TP:=1}"
+    : "${CONTEXT_LENGTH:=36864}" ;;  # 2k prompt + 32k response + margin, within max_position_embeddings
+  *) die "RECIPE=$RECIPE is not one of: qwen2.5-32b qwen3-32b qwen3-8b" ;;
+esac
 DATA_PATH=${DATA_PATH:-/data/skywork-or1-rl.parquet}
-OUTPUT_DIR=${OUTPUT_DIR:-/checkpoints/bapo-32b-64k}
 LOG_DIR=${LOG_DIR:-$OUTPUT_DIR/logs/${SLURM_JOB_ID:-local}}
 ACTOR_NODES=${ACTOR_NODES:-8}
 ROLLOUT_NODES=${ROLLOUT_NODES:-8}
@@ -91,7 +112,10 @@ read -r -a ROUTER_EXTRA <<<"$ROUTER_ARGS"
 
 is_dry_run || mkdir -p "$LOG_DIR"
 install_cleanup_trap
+log "recipe $RECIPE: config $CONFIG, model $MODEL_DIR${SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN:+, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=$SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN}"
 log "actor nodes: ${ACTOR[*]}; rollout nodes: ${ROLLOUT[*]}; logs in $LOG_DIR"
+sync_server_flags "$CONFIG" "$@"
+log "server flags the weight sync relies on: ${SYNC_FLAGS[*]}"
 
 # 1. SGLang servers: one per ROLLOUT_TP GPUs of every rollout node.
 WORKER_URLS=()
@@ -103,7 +127,7 @@ for node in "${ROLLOUT[@]}"; do
       --gpus="$ROLLOUT_TP" --exact --kill-on-bad-exit=1 \
       "$SGLANG_PYTHON" -m sglang.launch_server --model-path "$MODEL_DIR" --tp-size "$ROLLOUT_TP" \
       --host 0.0.0.0 --port "$port" --context-length "$CONTEXT_LENGTH" \
-      --mem-fraction-static "$MEM_FRACTION" --trust-remote-code "${SERVER_EXTRA[@]}"
+      --mem-fraction-static "$MEM_FRACTION" --trust-remote-code "${SYNC_FLAGS[@]}" "${SERVER_EXTRA[@]}"
     SERVER_PIDS+=("$BG_PID")
     WORKER_URLS+=("http://$node:$port")
   done

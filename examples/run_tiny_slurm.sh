@@ -54,12 +54,13 @@ if [ ! -f "$TINY_DIR/info.json" ]; then
   run_cmd srun --overlap --ntasks=1 "$PYTHON" tools/make_tiny.py --out "$TINY_DIR" --force
 fi
 
-# 1. The built-in rollout server as a job step.
+# 1. The built-in rollout server as a job step, with the flags the weight sync relies on.
+sync_server_flags "$CONFIG" "$@"
 PORT_FILE=$LOG_DIR/server.port
 is_dry_run || rm -f "$PORT_FILE"
 start_bg server srun --overlap --ntasks=1 \
   "$PYTHON" -m megatron_bapo.server --model-path "$TINY_DIR/base_model" --host 127.0.0.1 \
-  --port "$SERVER_PORT" --port-file "$PORT_FILE"
+  --port "$SERVER_PORT" --port-file "$PORT_FILE" "${SYNC_FLAGS[@]}"
 SERVER_PID=$BG_PID
 if is_dry_run; then
   SERVER_URL="http://127.0.0.1:PORT"

@@ -166,3 +166,34 @@ srun_prefix() {
   fi
   return 0
 }
+
+# config_value KEY DEFAULT CONFIG [OVERRIDE...]: a "section.key" value of the run config as the
+# trainer reads it: the last KEY=value override wins, else the key under its top-level section of
+# the YAML (two levels, the scripts' configs), else DEFAULT.
+config_value() {
+  local key=$1 default=$2 config=$3 arg value=""
+  shift 3
+  for arg in "$@"; do
+    [[ $arg == "$key="* ]] && value=${arg#*=}
+  done
+  if [ -z "$value" ] && [ -f "$config" ]; then
+    value=$(awk -v s="${key%%.*}" -v k="${key#*.}" '
+      /^[^[:space:]#]/ { insec = ($0 ~ "^" s ":") }
+      insec && $0 ~ "^  " k ":" { sub("^  " k ":[[:space:]]*", ""); sub("[[:space:]]*#.*$", ""); print; exit }
+    ' "$config")
+  fi
+  printf '%s\n' "${value:-$default}"
+}
+
+# sync_server_flags CONFIG [OVERRIDE...]: sets SYNC_FLAGS, the server flags the weight sync and the
+# client rely on (megatron_bapo.rollout.pool.required_server_flags; the first weight update refuses
+# a server without them): --enable-deterministic-inference when rollout.deterministic_inference is
+# true (requests carry sampling seeds, ignored otherwise), --disable-radix-cache when
+# sync.pause_mode is in_place (the update cannot flush KV the old weights computed), and
+# --weight-version 0 (the servers start from the initial policy, version 0).
+sync_server_flags() {
+  SYNC_FLAGS=()
+  [ "$(config_value rollout.deterministic_inference false "$@")" = true ] && SYNC_FLAGS+=(--enable-deterministic-inference)
+  [ "$(config_value sync.pause_mode null "$@")" = in_place ] && SYNC_FLAGS+=(--disable-radix-cache)
+  SYNC_FLAGS+=(--weight-version 0)
+}

@@ -25,6 +25,11 @@ from megatron_bapo.config_io import ConfigError, apply_overrides, from_dict, to_
 from megatron_bapo.data.config import DatasetConfig
 from megatron_bapo.eval.config import EvalConfig
 from megatron_bapo.rollout.config import PartialRolloutConfig, RolloutClientConfig
+from megatron_bapo.sync.config import SyncConfig
+
+
+PENALTY_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0}
+"""SGLang sampling keys that change the logits before the returned log-prob, with their neutral values."""
 
 
 @dataclass
@@ -135,6 +140,17 @@ class RolloutConfig(PartialRolloutConfig):
         if bad:
             raise ConfigError(f"rollout.sampling.extra sets {bad}; use rollout.sampling.temperature (the others "
                               f"truncate the distribution, which training cannot reproduce)")
+        # Penalties change the logits before the log-prob SGLang returns (also with
+        # SGLANG_RETURN_ORIGINAL_LOGPROB); the trainer cannot reproduce them, so every importance
+        # ratio would be biased without a warning.
+        penalties = {k: v for k, v in sp.extra.items() if k in PENALTY_NEUTRAL and v != PENALTY_NEUTRAL[k]}
+        if penalties:
+            raise ConfigError(f"rollout.sampling.extra sets {penalties}: penalties change the logits before the "
+                              f"log-prob the server returns, which the trainer cannot reproduce (biased importance "
+                              f"ratios); remove them (eval.* may use them)")
+        if "sampling_seed" in sp.extra:
+            raise ConfigError("rollout.sampling.extra.sampling_seed: per-request seeds come from trainer.seed when "
+                              "rollout.deterministic_inference is true; remove it")
 
 
 @dataclass
@@ -175,40 +191,6 @@ class AdvantageConfig:
 
 
 @dataclass
-class SyncConfig:
-    """Weight sync from the actor to the rollout servers after every step (design section 3 step 7)."""
-
-    method: str = "disk"
-    """"disk": HF safetensors + /update_weights_from_disk (one machine, shared FS);
-    "distributed": a torch process group + /update_weights_from_distributed (NCCL on clusters)."""
-    backend: str = "nccl"
-    """Process-group backend of the "distributed" method ("gloo" on CPU)."""
-    master_address: str = "127.0.0.1"
-    master_port: int = 29600
-    bucket_bytes: int = 512 * 1024 * 1024
-    """Tensors per broadcast bucket ("distributed") / per safetensors shard ("disk")."""
-    keep_versions: int = 2
-    """HF directories kept under `output_dir/hf_sync/` ("disk"); older ones are deleted."""
-    pause_mode: Optional[str] = None
-    """How an update meets generation in flight (`megatron_bapo.sync.pause`): null waits for the
-    in-flight requests (between segments with partial rollout); "abort" returns them with their
-    partial tokens (resumed under the new weights); "retract" / "in_place" keep them running on the
-    new weights, with per-token versions. Matters with `trainer.async_steps` > 0."""
-
-    def __post_init__(self) -> None:
-        if self.method not in ("disk", "distributed"):
-            raise ConfigError(f"sync.method must be 'disk' or 'distributed', got {self.method!r}")
-        if self.backend not in ("nccl", "gloo"):
-            raise ConfigError(f"sync.backend must be 'nccl' or 'gloo', got {self.backend!r}")
-        if self.bucket_bytes < 1024:
-            raise ConfigError(f"sync.bucket_bytes must be >= 1024, got {self.bucket_bytes}")
-        if self.keep_versions < 1:
-            raise ConfigError(f"sync.keep_versions must be >= 1, got {self.keep_versions}")
-        if self.pause_mode not in (None, "abort", "retract", "in_place"):
-            raise ConfigError(f"sync.pause_mode must be null, 'abort', 'retract' or 'in_place', got {self.pause_mode!r}")
-
-
-@dataclass
 class RunConfig:
     model: ModelConfig
     data: DatasetConfig
@@ -224,6 +206,15 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         ro = self.rollout
+        # Distributed sync, rollout ahead and no pause: each bucket's update waits for every in-flight
+        # /generate (SGLang's writer lock; a 16k-token segment can outlast the group timeout) while the
+        # trainer already broadcasts, and between buckets queued requests run on half-updated weights.
+        if self.sync.method == "distributed" and self.trainer.async_steps > 0 and self.sync.pause_mode is None:
+            raise ConfigError(
+                f"sync.method=distributed with trainer.async_steps={self.trainer.async_steps} needs sync.pause_mode "
+                f"(abort, retract or in_place): without a pause each bucket waits for the generation in flight and "
+                f"requests between buckets run on half-updated weights; set sync.pause_mode=abort or "
+                f"trainer.async_steps=0")
         batch = ro.prompts_per_step * ro.group_size
         if batch % self.actor.n_minibatches:
             raise ConfigError(

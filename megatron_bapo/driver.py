@@ -4,13 +4,18 @@ The actor ranks (`megatron_bapo.trainer`) only train and sync weights; everythin
 the rollout servers or the disk on behalf of the whole job lives here, on global rank 0:
 
     driver = Driver(config, output_dir)
-    driver.start(saved_state, step=.., version=..)   # servers, client, dataset, rollout producer, writers
+    driver.start(saved_state, step=.., version=..)   # server pool + client, dataset, rollout producer, writers
     driver.start_rollout()                    # once the servers hold the weights to sample from
     batch, metrics = driver.next_batch(step, version)   # a finished round -> rewards -> actor batch
-    driver.published(version)                 # after the weight sync: new rounds use `version`
-    driver.end_step(step, metrics)            # log, eval when due
+    with driver.weight_update(version) as sink:         # delivery (sync.delivery): pause, session, flush
+        export.run(version, sink)                       # every rank gathers; rank 0's sink delivers
+    driver.evaluate(step); driver.log(step, metrics)
     driver.state_dict()                       # data position, partial-rollout buffer, rounds ahead
     driver.close()
+
+The servers and the client belong to `rollout.pool.ServerPool`; every call that brings weights to
+them, to `sync.delivery.WeightDelivery`. On actor ranks above 0 a `Follower` holds the driver's
+place, so the trainer's loop has no rank branches around the sync.
 
 Rollout runs through `rollout.RolloutProducer`: with `trainer.async_steps` = 0 it produces each
 round when the trainer asks for it (the synchronous loop); with k > 0 it runs k rounds ahead.
@@ -19,20 +24,19 @@ round when the trainer asks for it (the synchronous loop); with k > 0 it runs k 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import os
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from megatron_bapo import run_state
 from megatron_bapo.config import RunConfig
 from megatron_bapo.config_io import ConfigError
 from megatron_bapo.experience import build_experience
 from megatron_bapo.metrics import MetricsWriter
-from megatron_bapo.rollout.client import API_KEY_ENV
+from megatron_bapo.rollout.pool import ServerPool, required_server_flags
+from megatron_bapo.sync.delivery import NullDelivery, WeightDelivery
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +44,15 @@ logger = logging.getLogger(__name__)
 class Driver:
     """Owns everything rank 0 does besides training; see the module docstring."""
 
+    leads = True
+    """Rank 0 (the `Follower` on other ranks says False): it reports, logs and checkpoints the state."""
+
     def __init__(self, config: RunConfig, output_dir: Path) -> None:
         self.config = config
         self.output_dir = output_dir
-        self.servers: list[Any] = []
-        self.server_restarts: list[int] = []
-        """Restarts so far of each built-in server (rollout.max_server_restarts bounds them)."""
-        self._restarted = False
-        """A server was restarted since the last `take_restarted()`."""
+        self.pool: Optional[ServerPool] = None
+        """The servers (started or external) and the one client; `client` is `pool.client`."""
+        self.delivery: Optional[WeightDelivery] = None
         self.client: Any = None
         self.producer: Any = None
         self.writer: Optional[MetricsWriter] = None
@@ -58,20 +63,22 @@ class Driver:
         from transformers import AutoTokenizer
 
         from megatron_bapo.data import PromptDataset
-        from megatron_bapo.rollout import PartialRolloutManager, RolloutClient
+        from megatron_bapo.rollout import PartialRolloutManager
         from megatron_bapo.rollout.producer import RolloutProducer
 
         cfg, ro = self.config, self.config.rollout
         self._preflight()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
-        client_cfg = ro.client
-        if not client_cfg.urls and not client_cfg.router_url:
-            client_cfg = dataclasses.replace(client_cfg, urls=self._start_builtin_servers())
-        self.client = RolloutClient(client_cfg)
-        self.client.wait_healthy()
+        flags = required_server_flags(deterministic_inference=ro.deterministic_inference, pause_mode=cfg.sync.pause_mode)
+        self.pool = ServerPool(ro, model_path=cfg.model.hf_path, seed=cfg.trainer.seed,
+                               log_dir=self.output_dir / "logs", state_path=self.output_dir / "servers.json",
+                               server_flags=tuple(flags))
+        self.client = self.pool.start()
+        self.delivery = WeightDelivery(cfg.sync, self.pool, deterministic_inference=ro.deterministic_inference)
         self._check_context()
-        manager = PartialRolloutManager(self.client, ro, seed=cfg.trainer.seed)
+        # Per-request seeds only where the servers honour them (SGLang: --enable-deterministic-inference).
+        manager = PartialRolloutManager(self.client, ro, seed=cfg.trainer.seed if ro.deterministic_inference else None)
         self.producer = RolloutProducer(self.client, manager, lambda: self.dataset.next_batch(ro.prompts_per_step),
                                         ahead=cfg.trainer.async_steps, version=version)
         if state:
@@ -119,81 +126,22 @@ class Driver:
         """Start producing rounds (after the servers hold the weights to sample from)."""
         self.producer.start()
 
-    def _start_server(self, i: int, port: Optional[int] = None) -> Any:
-        from megatron_bapo.server.launch import start_server
-
-        cfg = self.config
-        log_path = self.output_dir / "logs" / f"server_{i}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        args = ["--random-seed", str(cfg.trainer.seed + i), "--weight-version", "0"]  # its weights: model.hf_path
-        key = cfg.rollout.client.api_key or os.environ.get(API_KEY_ENV)
-        if key:
-            args += ["--api-key", key]
-        return start_server(cfg.model.hf_path, port=port, log_path=log_path, extra_args=args,
-                            startup_timeout_s=cfg.rollout.client.health_timeout_s)
-
-    def _write_servers(self) -> None:
-        # PIDs on disk: operators (and the kill-and-resume test) can see what this run started.
-        run_state.write_json_atomic(self.output_dir / "servers.json", [{"url": s.url, "pid": s.pid} for s in self.servers])
-
-    def _start_builtin_servers(self) -> list[str]:
-        self.servers = [self._start_server(i) for i in range(self.config.rollout.num_builtin_servers)]
-        self.server_restarts = [0] * len(self.servers)
-        self._write_servers()
-        urls = [s.url for s in self.servers]
-        logger.info("built-in rollout servers: %s", ", ".join(urls))
-        return urls
-
-    def restart_dead_servers(self, version: int) -> list[str]:
-        """Restart (on the same port) every built-in server whose process died, at most
-        `rollout.max_server_restarts` times each, and give it the newest synced weights when they
-        are on disk. Returns the URLs restarted; raises RolloutError naming a server out of restarts."""
-        from megatron_bapo.rollout.errors import RolloutError
-
-        restarted = []
-        for i, server in enumerate(self.servers):
-            if server.alive():
-                continue
-            if self.server_restarts[i] >= self.config.rollout.max_server_restarts:
-                raise RolloutError(f"built-in server {server.url} died again (exit code {server.proc.returncode}) after "
-                                   f"{self.server_restarts[i]} restart(s) (rollout.max_server_restarts); its log: "
-                                   f"{server.log_path}")
-            self.server_restarts[i] += 1
-            logger.warning("built-in server %s (pid %d) died with exit code %s; restarting it (%d of %d)", server.url,
-                           server.pid, server.proc.returncode, self.server_restarts[i],
-                           self.config.rollout.max_server_restarts)
-            self.servers[i] = self._start_server(i, port=server.port)
-            restarted.append(server.url)
-        if restarted:
-            self._write_servers()
-            latest = self.output_dir / "hf_sync" / f"v{version:06d}"
-            if version > 0 and (latest / "config.json").exists():  # disk sync: serve the newest weights now
-                self.client.update_weights_from_disk(str(latest.absolute()), version, only=restarted)
-            self.client.wait_healthy()
-        return restarted
-
-    def ensure_servers(self, version: int) -> None:
-        """Restart built-in servers that died (before a round and before a weight sync)."""
-        if self.servers and self.restart_dead_servers(version):
-            self._restarted = True
-
-    def take_restarted(self) -> bool:
-        """True once after servers were restarted (a distributed weight group must be rebuilt)."""
-        flag, self._restarted = self._restarted, False
-        return flag
+    @contextlib.contextmanager
+    def weight_update(self, version: int) -> Iterator[Any]:
+        """Rank 0's half of a weight sync: a context whose sink delivers the export to every server
+        (`sync.delivery`); the producer uses `version` for new rounds once it succeeded."""
+        with self.delivery.update(version) as session:
+            yield session
+        self.producer.publish(version)
 
     def close(self) -> None:
-        """Stop producing, close the client, stop the built-in servers (by PID), close the writer."""
+        """Stop producing, leave the weight group, stop the servers (by PID), close the writer."""
         if self.producer is not None:
             self.producer.stop()
-        if self.client is not None:
-            with contextlib.suppress(Exception):
-                self.client.abort_all()
-            with contextlib.suppress(Exception):
-                self.client.close()
-        for server in self.servers:
-            with contextlib.suppress(Exception):
-                server.stop()
+        if self.delivery is not None:
+            self.delivery.close()
+        if self.pool is not None:
+            self.pool.close()
         if self.writer is not None:
             self.writer.close()
 
@@ -209,12 +157,12 @@ class Driver:
 
         cfg = self.config
         while True:
-            self.ensure_servers(version)
+            self.pool.ensure_alive()
             try:
                 done, waited = self.producer.next(version)
                 break
             except RolloutError:
-                if not self.servers or all(s.alive() for s in self.servers):
+                if not self.pool.any_dead():
                     raise  # external servers (named in the error), or no dead built-in server to restart
                 self.producer.restart()
         self._check_rejections(done)
@@ -241,10 +189,6 @@ class Driver:
                 f"rollout.max_response_tokens over the servers' context, or a sampling parameter); raise "
                 f"rollout.max_failed_group_rate={self.config.rollout.max_failed_group_rate} to train on regardless")
 
-    def published(self, version: int) -> None:
-        """The servers serve `version` now."""
-        self.producer.publish(version)
-
     def evaluate(self, step: int) -> dict[str, float]:
         """Validation on `eval.datasets` through the same servers and client."""
         from megatron_bapo.eval import run_evaluation
@@ -264,6 +208,30 @@ class Driver:
                     "rollout": self.producer.manager.state_dict(), "rounds": self.producer.state_dict()}
         finally:
             self.producer.resume()
+
+
+class Follower:
+    """Holds the driver's place on actor ranks above 0: no servers, no data, no metrics. It answers
+    the loop's calls so the loop reads the same on every rank (the batch comes by broadcast)."""
+
+    leads = False
+
+    def __init__(self) -> None:
+        self.delivery = NullDelivery()
+
+    def next_batch(self, step: int, version: int) -> tuple[None, dict[str, float]]:
+        return None, {}
+
+    @contextlib.contextmanager
+    def weight_update(self, version: int) -> Iterator[Any]:
+        with self.delivery.update(version) as sink:
+            yield sink
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        return None
 
 
 class SampleLedger:

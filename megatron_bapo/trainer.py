@@ -4,13 +4,14 @@
         batch   = driver.next_batch()                # rank 0: a finished rollout round -> rewards, advantages
         batch   = scatter(batch)                     # each actor rank gets its own DP/CP slice
         metrics = actor.train_step(batch)            # ppo_epochs x n_minibatches BAPO optimizer steps
-        version = sync_weights(actor, servers)       # HF dir + /update_weights_from_disk (or NCCL)
+        sync_weights(version)                        # export (every rank) -> delivery (rank 0's servers)
         log(metrics); maybe evaluate; maybe checkpoint
 
-Rank 0 also holds the `Driver` (`megatron_bapo.driver`): servers, the rollout client, data, the
-rollout producer (which with `trainer.async_steps` = k keeps k rounds ahead of training), rewards,
-the sample ledger, evaluation and metrics. All ranks run the actor (TP/PP/CP/DP from
-`actor.parallel`) and take part in weight gathers for the sync. The loop is resumable at step
+Rank 0 also holds the `Driver` (`megatron_bapo.driver`): the server pool and the rollout client,
+data, the rollout producer (which with `trainer.async_steps` = k keeps k rounds ahead of training),
+rewards, the sample ledger, evaluation, metrics and the delivery of weights to the servers; on the
+other ranks a `Follower` holds its place. All ranks run the actor (TP/PP/CP/DP from
+`actor.parallel`) and the export half of the sync (`megatron_bapo.sync`). The loop is resumable at step
 boundaries: a checkpoint holds the actor (model, optimizer, scheduler, RNG), the data position,
 the partial-rollout buffer, the rounds produced ahead and the policy version
 (`megatron_bapo.run_state`).
@@ -32,7 +33,6 @@ from megatron_bapo.config import RunConfig, dump_run_config
 from megatron_bapo.config_io import ConfigError
 from megatron_bapo.logs import CONSOLE
 from megatron_bapo.models.parallel import init_distributed_env
-from megatron_bapo.rollout.errors import RolloutError
 
 logger = logging.getLogger(__name__)
 # Rank 0's console lines (megatron_bapo.logs): the compact step line, eval results, resume.
@@ -40,7 +40,7 @@ console = logging.getLogger(CONSOLE)
 
 
 class Trainer:
-    """The loop: the actor on every rank, the `Driver` on rank 0 (None elsewhere)."""
+    """The loop: the actor on every rank, the `Driver` on rank 0 (a `Follower` elsewhere)."""
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
@@ -48,7 +48,7 @@ class Trainer:
         self.step = 0
         self.version = 0
         self.driver: Any = None
-        self.sync: Any = None
+        self.export: Any = None
         self._since_line: list[dict[str, float]] = []  # metrics of the steps since the last console line
 
     # ------------------------------------------------------------------ the loop
@@ -60,7 +60,7 @@ class Trainer:
             progress = self._progress()
             while self.step < cfg.total_steps:
                 metrics = self.train_one_step()
-                if self.driver is not None:
+                if self.driver.leads:
                     self._report(metrics, progress)
                     history.append({"step": self.step, **metrics})
                 if self.step == cfg.total_steps or (cfg.save_every and self.step % cfg.save_every == 0):
@@ -71,12 +71,12 @@ class Trainer:
 
     def train_one_step(self) -> dict[str, float]:
         step_start = time.monotonic()
-        batch, metrics = self.driver.next_batch(self.step + 1, self.version) if self.driver else (None, {})
+        batch, metrics = self.driver.next_batch(self.step + 1, self.version)
         batch = self._scatter(batch)
         t0 = time.monotonic()
         if batch is None:
             metrics["actor/skipped_empty_batch"] = 1.0
-            if self.driver is not None:  # rank 0 has the rollout metrics and says why
+            if self.driver.leads:  # rank 0 has the rollout metrics and says why
                 if not metrics.get("experience/num_groups") and metrics.get("rollout/buffer_groups", 0) > 0:
                     # Partial rollout: every response is longer than this step generated; normal early on.
                     logger.info("step %d: no group finished yet (%d continue next step); no update", self.step + 1,
@@ -93,7 +93,7 @@ class Trainer:
         t2 = time.monotonic()
         self.step += 1
         metrics.update({"timing/train_s": t1 - t0, "timing/sync_s": t2 - t1, "train/version": float(self.version)})
-        if self.driver is not None and self.config.eval.should_run(self.step):
+        if self.config.eval.should_run(self.step):
             metrics.update(self.driver.evaluate(self.step))
             metrics["timing/eval_s"] = time.monotonic() - t2
         metrics["timing/step_s"] = time.monotonic() - step_start
@@ -104,22 +104,21 @@ class Trainer:
     def _session(self):
         """Actor on every rank, driver on rank 0, resume, the first sync; teardown however the loop
         ends (SIGTERM included): stop producing, leave the weight group, stop built-in servers."""
+        from megatron_bapo.driver import Follower
+
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_term(signum, frame):
             raise SystemExit(128 + signum)
 
         signal.signal(signal.SIGTERM, on_term)
+        self.driver = Follower()
         try:
             self._setup()
             yield
         finally:
             signal.signal(signal.SIGTERM, previous)
-            if self.sync is not None:
-                with contextlib.suppress(Exception):
-                    self.sync.close()
-            if self.driver is not None:
-                self.driver.close()
+            self.driver.close()
 
     def _setup(self) -> None:
         """Process groups; rank 0 starts the driver (paths, reward, servers, context length checked)
@@ -131,6 +130,7 @@ class Trainer:
         from megatron_bapo.convert import load_hf_into_model
         from megatron_bapo.driver import Driver
         from megatron_bapo.models.parallel import initialize_model_parallel
+        from megatron_bapo.sync.export import make_export
 
         cfg = self.config
         init_distributed_env()
@@ -163,6 +163,7 @@ class Trainer:
         if failed is not None:
             raise ConfigError(f"rank 0 could not start the run: {failed[0]}: {failed[1]}")
         self.actor = Actor(cfg.actor, self.hf_config, groups=groups)
+        self.export = make_export(cfg.sync, self.actor, self.hf_config, self.output_dir, tokenizer_src=hf_path)
         if resume_from is not None:
             self.actor.load_checkpoint(resume_from / "actor")
             # Servers start from model.hf_path; bring them to the checkpoint's weights and version.
@@ -171,7 +172,7 @@ class Trainer:
             load_hf_into_model(self.actor.model, hf_path, hf_config=self.hf_config)
             if hasattr(self.actor.optimizer, "reload_model_params"):
                 self.actor.optimizer.reload_model_params()  # optimizers with separate fp32 main params
-        if self.driver is not None:
+        if self.driver.leads:
             if cfg.trainer.eval_at_start and self.step == 0 and cfg.eval.every_n_steps and cfg.eval.datasets:
                 metrics = self.driver.evaluate(0)
                 self.driver.log(0, metrics)
@@ -193,36 +194,15 @@ class Trainer:
                              current_version=self.version)
 
     def sync_weights(self, version: int) -> None:
-        """Push the actor's weights to every server as `version` (all ranks take part in the gathers)."""
-        if self.sync is None:
-            from megatron_bapo.sync import DiskWeightSync, DistributedWeightSync
-
-            cfg = self.config
-            client = self.driver.client if self.driver is not None else None
-            if cfg.sync.method == "distributed":
-                self.sync = DistributedWeightSync(cfg.sync, self.actor, self.hf_config, client)
-            else:
-                self.sync = DiskWeightSync(cfg.sync, self.actor, self.hf_config, self.output_dir / "hf_sync", client,
-                                           tokenizer_src=cfg.model.hf_path)
-        if self.driver is not None:
-            self.driver.ensure_servers(version - 1)
-            if self.driver.take_restarted() and hasattr(self.sync, "reset_servers"):
-                self.sync.reset_servers()  # a restarted server is not in the distributed weight group
-        try:
-            self.sync.sync(version)
-        except RolloutError:
-            # A built-in server died during the sync (disk sync: the weights are written; only the
-            # loading failed): restart it and load this version everywhere again.
-            if self.driver is None or not hasattr(self.sync, "publish") or not self.driver.restart_dead_servers(version):
-                raise
-            self.sync.publish(version)
-        if self.driver is not None:
-            self.driver.published(version)
+        """Push the actor's weights to every server as `version`: every rank exports (gathers, writes
+        or buckets), rank 0's driver delivers (pause, update session, flush, restarts, version)."""
+        with self.driver.weight_update(version) as sink:
+            self.export.run(version, sink)
 
     def save_checkpoint(self) -> None:
         ckpt = run_state.checkpoint_dir(self.output_dir, self.step)
         self.actor.save_checkpoint(ckpt / "actor")
-        if self.driver is not None:
+        if self.driver.leads:
             run_state.save_trainer_state(ckpt, self.driver.state_dict(self.step, self.version))
             run_state.prune_checkpoints(self.output_dir, self.config.trainer.keep_checkpoints)
             logger.info("checkpoint %s", ckpt)
@@ -230,7 +210,7 @@ class Trainer:
 
     def _progress(self):
         cfg = self.config.trainer
-        if self.driver is None or not cfg.progress:
+        if not self.driver.leads or not cfg.progress:
             return None
         from tqdm import tqdm
 

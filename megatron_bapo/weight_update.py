@@ -40,6 +40,15 @@ def init_weights_update_group(
     return pg
 
 
+def nccl_version() -> Optional[str]:
+    """This process's NCCL as "major.minor.patch" (None without CUDA). NCCL refuses a communicator
+    whose ranks run different NCCL versions, so both ends of a weight group compare it first."""
+    if not torch.cuda.is_available():
+        return None
+    version = torch.cuda.nccl.version()
+    return ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
+
+
 def destroy_weights_update_group(pg) -> None:
     """Forget a group made by `init_weights_update_group` (works without a default group)."""
     from torch.distributed.distributed_c10d import _world
@@ -52,13 +61,15 @@ def destroy_weights_update_group(pg) -> None:
 
 
 def update_request_body(named: list, *, group_name: str = DEFAULT_GROUP, weight_version: Optional[str] = None,
-                        flattened: bool = False) -> dict:
-    """Trainer side: the `/update_weights_from_distributed` JSON for `named` = [(hf_name, tensor)]."""
-    # The bucket that completes an update (it carries the version) asks the server to flush its
-    # prefix cache, whose KV the old weights computed; earlier buckets leave it alone.
+                        flush_cache: bool = False, flattened: bool = False) -> dict:
+    """Trainer side: the `/update_weights_from_distributed` JSON for `named` = [(hf_name, tensor)].
+
+    `flush_cache` is always sent (SGLang's default is true, and SGLang 0.5.23 fails an update whose
+    flush it must refuse): the caller sets it on the bucket that completes an update, per pause mode
+    (`sync.config.flushes_cache`)."""
     body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in named],
             "shapes": [list(t.shape) for _, t in named], "group_name": group_name,
-            "flush_cache": weight_version is not None, "weight_version": weight_version}
+            "flush_cache": bool(flush_cache), "weight_version": weight_version}
     if flattened:
         body["load_format"] = "flattened_bucket"
     return body

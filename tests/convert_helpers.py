@@ -12,6 +12,10 @@ BASE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, interm
 CONFIGS = {
     "qwen2_tied": ("qwen2", dict(BASE, max_position_embeddings=256, vocab_size=100, tie_word_embeddings=True)),
     "qwen2_untied": ("qwen2", dict(BASE, max_position_embeddings=256, vocab_size=130, tie_word_embeddings=False, num_key_value_heads=4)),
+    # head_dim 24 != hidden 64 / 4 heads: q is 96 wide, k/v 48 (as Qwen3-32B's 8192-wide q on a 5120 hidden)
+    "qwen3_tied": ("qwen3", dict(BASE, max_position_embeddings=256, vocab_size=100, tie_word_embeddings=True, head_dim=24)),
+    "qwen3_untied": ("qwen3", dict(BASE, max_position_embeddings=256, vocab_size=130, tie_word_embeddings=False,
+                                   head_dim=24, rope_theta=1000000.0)),
     "llama": ("llama", dict(BASE, vocab_size=120, max_position_embeddings=16384, tie_word_embeddings=False, rope_theta=500000.0,
                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
@@ -19,11 +23,12 @@ CONFIGS = {
 
 
 def make_hf_model(name: str, out_dir: Path, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
-    """Write a random tiny HF model (fp32, non-trivial weights incl. biases and norms) to `out_dir`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Write a random tiny HF model (fp32, non-trivial weights incl. biases and norms, q/k norms
+    included) to `out_dir`."""
+    from megatron_bapo.tiny.checkpoint import ARCHITECTURES
 
     family, kw = CONFIGS[name]
-    cfg_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg_cls, model_cls = ARCHITECTURES[family]
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kw)).float()
     with torch.no_grad():

@@ -240,7 +240,12 @@ def test_sampler_fails_over_from_a_dead_server(model_dir, server_url, eval_data,
 
 
 @pytest.mark.skipif(not HAS_SERVER, reason="megatron_bapo.server.launch (server engineer) not landed yet")
-def test_evaluate_checkpoint_starts_builtin_server(model_dir, eval_data, tmp_path):
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+def test_evaluate_checkpoint_starts_builtin_server(model_dir, eval_data, tmp_path, architecture):
+    if architecture == "qwen3":  # the same tokenizer, a tiny random Qwen3 (q/k norms, head_dim 32 on 64)
+        from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
+
+        model_dir = make_tiny_hf_checkpoint(tmp_path / "qwen3", seed=0, architecture="qwen3")
     config = EvalConfig(datasets=[{"name": "tiny", "path": str(eval_data)}], n=2, max_new_tokens=6)
     metrics = evaluate_checkpoint(model_dir, config, output_dir=tmp_path / "o")
     records = read_records(tmp_path / "o" / "tiny.jsonl")

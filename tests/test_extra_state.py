@@ -34,7 +34,7 @@ class ExtraState:
             self.loaded_extra_state = bytes(state.tolist())
 
 
-def _te_like_layer_spec(local_spec):
+def _te_like_layer_spec(local_spec, **options):
     """The local spec with TE-like `_extra_state` on the four linears and the core attention."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -49,7 +49,7 @@ def _te_like_layer_spec(local_spec):
     class TELikeAttention(ExtraState, layer_spec.sdpa_attention_class()):
         pass
 
-    spec = local_spec(use_te=False)
+    spec = local_spec(use_te=False, **options)
     attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     attn.linear_qkv, attn.core_attention, attn.linear_proj = TELikeColumn, TELikeAttention, TELikeRow
     mlp.linear_fc1, mlp.linear_fc2 = TELikeColumn, TELikeRow
@@ -63,7 +63,7 @@ def _actor(hf_dir, te_like: bool):
 
     if te_like:  # the builder asks layer_spec.get_layer_spec for the spec: hand it the TE-like one
         local_spec = layer_spec.get_layer_spec
-        layer_spec.get_layer_spec = lambda use_te=None: _te_like_layer_spec(local_spec)
+        layer_spec.get_layer_spec = lambda use_te=None, **options: _te_like_layer_spec(local_spec, **options)
     cfg = ActorConfig(optim=OptimConfig(lr=1e-2))
     actor = Actor(cfg, hf_config_dict(hf_dir))
     extra = [m for m in actor.model[0].module.modules() if isinstance(m, ExtraState)]

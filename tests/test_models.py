@@ -47,7 +47,7 @@ def test_registry_maps_llama3_rope_scaling_from_both_transformers_layouts():
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"architectures": ["MistralForCausalLM"]}, "supported: \\['LlamaForCausalLM', 'Qwen2ForCausalLM'\\]"),
+        ({"architectures": ["MistralForCausalLM"]}, "supported: \\['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\\]"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"use_sliding_window": True}, "use_sliding_window"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
@@ -56,7 +56,7 @@ def test_registry_maps_llama3_rope_scaling_from_both_transformers_layouts():
 def test_registry_rejects_what_it_cannot_reproduce(change, match):
     with pytest.raises(ValueError, match=match):
         model_args_from_hf({**TINY_QWEN2, **change})
-    assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM"]
+    assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 
 
 def test_llama_rope_scaling_with_unsupported_factors_fails():
@@ -212,7 +212,7 @@ def _sp_fwd_bwd(rank, world_size, hf_dir, tp, pp, sp, overrides, record):
     from megatron_bapo.actor.logprobs import token_aligned_logprobs
     from megatron_bapo.convert import load_hf_into_model
     from megatron_bapo.convert.live import named_model_tensors
-    from megatron_bapo.convert.mapping import get_mapping
+    from megatron_bapo.convert.families import get_mapping
     from megatron_bapo.models import cpu_compat
     from megatron_bapo.models.builder import build_gpt_model
     from megatron_bapo.models.parallel import initialize_model_parallel
@@ -283,7 +283,8 @@ def _sp_fwd_bwd(rank, world_size, hf_dir, tp, pp, sp, overrides, record):
 
 def _unshard_grads(results, tp):
     """Full (TP=1 layout) grads by (rule, layer) from every rank's results (pipeline stages merged)."""
-    from megatron_bapo.convert.mapping import get_mapping, unshard
+    from megatron_bapo.convert.families import get_mapping
+    from megatron_bapo.convert.mapping import unshard
 
     rules = {r.megatron[0]: r for r in get_mapping(TINY_QWEN2).rules}
     by_key: dict = {}

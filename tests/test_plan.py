@@ -23,7 +23,20 @@ TINY = dict(
     num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2, vocab_size=100, rms_norm_eps=1e-6,
     rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=256,
 )
+TINY_QWEN3 = dict(TINY, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, tie_word_embeddings=False)
+"""q/k norms, and head_dim 32 != hidden 64 / 4 heads."""
 SEQ = 64
+
+
+def hf_num_params(hf_config: dict) -> int:
+    """The HF model's own parameter count (built by transformers on the meta device; tied weights once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in hf_config.items() if k not in ("model_type", "architectures", "torch_dtype")}
+    config = AutoConfig.for_model(hf_config["model_type"], **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
@@ -43,6 +56,27 @@ def test_32b_true_parameter_count_and_fit(tmp_path):
     assert "32,763,876,352 parameters" in text.stdout and "full recompute FITS" in text.stdout
     no_recompute = _plan("--config", str(CFG_32B), "--hf-config", str(HF_32B), "--gpus", "64", "actor.recompute=none")
     assert no_recompute.returncode == 1, no_recompute.stdout  # the exit status follows actor.recompute
+
+
+QWEN3_RECIPES = {  # config, HF config, GPUs, (tp, pp, cp, dp), the HF model's parameter count
+    "qwen3-32b": ("qwen3-32b-bapo-64k.yaml", "qwen3-32b-config.json", 64, (8, 2, 2, 2), 32_762_123_264),
+    "qwen3-8b": ("qwen3-8b-bapo.yaml", "qwen3-8b-config.json", 8, (4, 1, 2, 1), 8_190_735_360),
+}
+
+
+@pytest.mark.parametrize("recipe", list(QWEN3_RECIPES))
+def test_qwen3_recipes_count_the_hf_models_parameters_and_fit_as_configured(tmp_path, recipe):
+    """The planner's count (megatron-core meta build: q/k norms, head_dim 128 != hidden/heads) equals the HF
+    model's own, and each recipe's layout fits with the recompute it sets (exit status 0)."""
+    cfg, hf_cfg, gpus, layout, num_params = QWEN3_RECIPES[recipe]
+    hf = json.loads((ROOT / "examples/configs" / hf_cfg).read_text())
+    assert hf_num_params(hf) == num_params
+    out = _plan("--config", str(ROOT / "examples/configs" / cfg), "--hf-config", str(ROOT / "examples/configs" / hf_cfg),
+                "--gpus", str(gpus), "--json-out", str(tmp_path / "p.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["num_parameters"] == plan["num_parameters_padded"] == num_params  # 151936 = 1187 x 128
+    assert (plan["tp"], plan["pp"], plan["cp"], plan["dp"]) == layout
 
 
 @pytest.mark.parametrize(
@@ -67,7 +101,7 @@ def test_cli_exit_status_on_invalid_layout():
     assert out.returncode == 2 and "actor.parallel.tp=3" in out.stderr
 
 
-def _measure(rank, world_size, tp, pp):
+def _measure(rank, world_size, tp, pp, hf_config):
     """Bytes a real actor holds on this rank after one Adam step, and the bytes its forward saves."""
     from test_actor_helpers import make_batch
 
@@ -79,7 +113,7 @@ def _measure(rank, world_size, tp, pp):
         optim=OptimConfig(name="adam", lr=1e-3), parallel=ParallelConfig(tp=tp, pp=pp),
         max_tokens_per_microbatch=SEQ, use_distributed_optimizer=False, vocab_divisible_by=64,
     )
-    actor = Actor(cfg, TINY)
+    actor = Actor(cfg, hf_config)
     actor.train_step(make_batch(num_seqs=4, max_len=SEQ))
     params = [p for chunk in actor.model for p in chunk.parameters()]
     out = {
@@ -113,10 +147,11 @@ def _measure(rank, world_size, tp, pp):
     return out
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_model_state_matches_a_real_cpu_actor(run_dist, tmp_path, tp, pp):
+@pytest.mark.parametrize("tp, pp, hf_config", [(2, 1, TINY), (1, 2, TINY), (2, 1, TINY_QWEN3)],
+                         ids=["qwen2-tp2", "qwen2-pp2", "qwen3-tp2"])
+def test_model_state_matches_a_real_cpu_actor(run_dist, tmp_path, tp, pp, hf_config):
     hf = tmp_path / "config.json"
-    hf.write_text(json.dumps(TINY))
+    hf.write_text(json.dumps(hf_config))
     run = {
         "model": {"hf_path": str(tmp_path)}, "data": {"max_prompt_tokens": SEQ // 2},
         "rollout": {"max_response_tokens": SEQ // 2, "prompts_per_step": 2, "group_size": 2},
@@ -129,16 +164,17 @@ def test_model_state_matches_a_real_cpu_actor(run_dist, tmp_path, tp, pp):
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     # HF count: tied embedding once, vocab padding (100 -> 128) excluded
-    hf_model_params = 100 * 64 + 2 * (64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
-    assert plan["num_parameters"] == hf_model_params
-    measured = run_dist(_measure, 2, tp, pp, timeout=240)
+    if hf_config is TINY:
+        assert hf_num_params(TINY) == 100 * 64 + 2 * (64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    assert plan["num_parameters"] == hf_num_params(hf_config)
+    measured = run_dist(_measure, 2, tp, pp, hf_config, timeout=240)
     stages = ["only"] if pp == 1 else ["first", "last"]
     for rank, stage in enumerate(stages if pp > 1 else stages * 2):
         want, got = plan["stages"][stage], measured[rank]
         for key in ("num_params", "params", "grads", "optimizer"):
             assert want[key] == got[key], (stage, key, want[key], got[key])
     if pp == 1:
-        h = TINY["hidden_size"]
+        h = hf_config["hidden_size"]
         # decoder layers + the final norm's saved input/output/linear input (3h per token)
         estimate = plan["stages"]["only"]["activations"] + 3 * SEQ * h * 4
         assert measured[0]["saved"] == pytest.approx(estimate, rel=0.1)

@@ -3,7 +3,10 @@
 1. The first update is on-policy: the trainer recomputes exactly the distribution the built-in
    server sampled from, at temperature 0.6 (softmax(logits / T)), so KL(behavior || current) is ~0
    and the importance ratio ~1, for one process and for TP 2, TP 2 + SP, PP 2, CP 2 and TP 2 x CP 2.
-   (Before the temperature reached the trainer this KL was ~1e-2 on the same model.)
+   (Before the temperature reached the trainer this KL was ~1e-2 on the same model.) A tiny Qwen3
+   (per-head q/k norms, head_dim 32 on a 64 hidden size, untied head) runs 3 BAPO steps on one process
+   (disk weight sync) and under TP 2 (distributed gloo sync): every step's update is on-policy after the
+   weight sync, KL below 1e-6.
 2. The rehearsal: a tiny model with the 32B config's knobs all at once (TP 2 with SP, PP 2, CP 2:
    8 ranks; full recompute, distributed optimizer, temperature 0.6, packing, partial rollout,
    distributed gloo weight sync) runs a few RL steps, and every step's loss, log-prob statistics
@@ -42,6 +45,16 @@ def assets(tmp_path_factory, tiny_hf_dir):
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "recipe_reward.py").write_text(REWARD_MODULE)
     return root, tiny_hf_dir
+
+
+@pytest.fixture(scope="module")
+def qwen3_assets(assets, tmp_path_factory):
+    """The same task with a tiny random Qwen3 policy (megatron_bapo.tiny's Qwen3 defaults, untied head)."""
+    from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
+
+    root, _ = assets
+    return root, make_tiny_hf_checkpoint(tmp_path_factory.mktemp("qwen3"), seed=0, architecture="qwen3",
+                                         tie_word_embeddings=False)
 
 
 def _config(assets, out: Path, **sections) -> Path:
@@ -93,16 +106,28 @@ LAYOUTS = {
     "pp2": (2, ["actor.parallel.pp=2"]),
     "cp2": (2, ["actor.parallel.cp=2"]),
     "tp2-cp2": (4, ["actor.parallel.tp=2", "actor.parallel.cp=2"]),
+    "qwen3-one-process": (1, ["trainer.total_steps=3"]),
+    "qwen3-tp2": (2, ["trainer.total_steps=3", "actor.parallel.tp=2", "sync.method=distributed", "sync.backend=gloo"]),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_first_update_sees_the_servers_logprobs_at_temperature(assets, tmp_path, name):
+def test_first_update_sees_the_servers_logprobs_at_temperature(request, tmp_path, name):
     nproc, overrides = LAYOUTS[name]
-    first = _first_update(_run(_config(assets, tmp_path / name), nproc, *overrides))
+    qwen3 = name.startswith("qwen3")
+    assets = request.getfixturevalue("qwen3_assets" if qwen3 else "assets")
+    if "sync.method=distributed" in overrides:
+        overrides = [*overrides, f"sync.master_port={free_port()}"]
+    metrics = _run(_config(assets, tmp_path / name), nproc, *overrides)
+    first = _first_update(metrics)
     assert first["actor/num_loss_tokens"] > 50
     assert abs(first["actor/kl_k1"]) < 1e-4, first["actor/kl_k1"]
     assert abs(first["actor/ratio_mean"] - 1.0) < 1e-3, first["actor/ratio_mean"]
+    if qwen3:  # every step: one update per step, on the weights the servers sampled with (synced from disk)
+        updates = [m for m in metrics if "actor/kl_k1" in m]
+        assert [m["step"] for m in updates] == [1, 2, 3], [m["step"] for m in updates]
+        assert all(abs(m["actor/kl_k1"]) < 1e-6 and abs(m["actor/ratio_mean"] - 1.0) < 1e-6 for m in updates), updates
+        assert all(m["actor/grad_norm"] > 0 and m["actor/loss"] != 0 for m in updates), updates
 
 
 RECIPE = dict(

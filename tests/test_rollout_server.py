@@ -22,7 +22,7 @@ from megatron_bapo.rollout import (PartialRolloutConfig, PartialRolloutManager, 
 from megatron_bapo.server.launch import start_server
 from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
 
-SERVER_ARGS = ["--num-threads", "1", "--context-length", "512", "--log-level", "warning"]
+SERVER_ARGS = ["--num-threads", "1", "--context-length", "512", "--log-level", "warning", "--enable-deterministic-inference"]
 
 
 @pytest.fixture(scope="module")

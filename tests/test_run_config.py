@@ -51,3 +51,26 @@ def test_required_paths():
         load_run_config(None, ["data.path=/d"])
     with pytest.raises(ConfigError, match="data.path"):
         load_run_config(None, ["model.hf_path=/m"])
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    # Distributed sync + rollout ahead + no pause: each bucket would wait for the generation in flight.
+    (["sync.method=distributed", "trainer.async_steps=1", "rollout.max_staleness=3"],
+     ["sync.method=distributed", "trainer.async_steps=1", "sync.pause_mode"]),
+    # Penalties change the logits before the returned log-prob: the trainer cannot reproduce them.
+    (["rollout.sampling.extra={frequency_penalty: 0.5}"], ["rollout.sampling.extra", "frequency_penalty"]),
+    (["rollout.sampling.extra={min_new_tokens: 4}"], ["min_new_tokens"]),
+    (["rollout.sampling.extra={sampling_seed: 4}"], ["rollout.deterministic_inference"]),
+    (["sync.group_timeout_s=0"], ["sync.group_timeout_s"]),
+])
+def test_combinations_that_cannot_work_are_refused_naming_the_fields(overrides, needles):
+    with pytest.raises(ConfigError) as info:
+        load_run_config(None, BASE + overrides)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_workable_sync_combinations_and_neutral_penalties_load():
+    load_run_config(None, BASE + ["sync.method=distributed", "trainer.async_steps=1", "rollout.max_staleness=3",
+                                  "sync.pause_mode=abort", "sync.group_timeout_s=30"])
+    load_run_config(None, BASE + ["rollout.sampling.extra={repetition_penalty: 1.0}"])

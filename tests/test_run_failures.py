@@ -97,25 +97,25 @@ def test_reward_that_keeps_failing_stops_the_run_and_says_why(assets, tmp_path):
 
 
 def test_step_whose_requests_the_servers_reject_stops_the_run_with_their_message(assets, tmp_path):
-    """A setting every request fails on (here min_new_tokens above a 3-token segment): the first
+    """A setting every request fails on (here a malformed stop_token_ids in rollout.sampling.extra): the first
     step stops the run with the server's 400 message instead of dropping every group for the whole
     run and exiting 0 having trained nothing."""
     out = tmp_path / "run"
-    config = run_config(assets, out, sections={"rollout": {"sampling": {"extra": {"min_new_tokens": 5}}}},
+    config = run_config(assets, out, sections={"rollout": {"sampling": {"extra": {"stop_token_ids": "7"}}}},
                         total_steps=4)
     proc = start_train(config, assets)
     log = _finish(proc)
     assert proc.returncode == 2, log[-4000:]
     last = _last_line(log)
     assert last.startswith("rollout error: the servers rejected (4xx) the requests of 3 of 3 groups"), last
-    assert "min_new_tokens must be in [0, max_new_tokens(3)]" in last and "rollout.max_failed_group_rate" in last
+    assert "stop_token_ids must be a list of integers" in last and "rollout.max_failed_group_rate" in last
     assert len(_warnings(log)) <= 3, "\n".join(_warnings(log))
 
 
 def test_rejection_threshold_of_one_trains_on_with_one_warning_per_step(assets, tmp_path):
     """rollout.max_failed_group_rate=1 turns the stop off: the run goes on, one warning per step."""
     out = tmp_path / "run"
-    rollout = {"sampling": {"extra": {"min_new_tokens": 5}}, "max_failed_group_rate": 1.0}
+    rollout = {"sampling": {"extra": {"stop_token_ids": "7"}}, "max_failed_group_rate": 1.0}
     config = run_config(assets, out, sections={"rollout": rollout}, total_steps=2, save_every=0)
     proc = start_train(config, assets, "eval.every_n_steps=0")
     log = _finish(proc)
@@ -229,11 +229,12 @@ def test_api_key_reaches_every_call_and_is_never_written(assets, tmp_path, tiny_
 def test_resumed_run_samples_as_the_uninterrupted_one(assets, tmp_path):
     """Per-request sampling seeds from (run seed, prompt, start version, sample, tokens so far): a
     run stopped after step 2 and resumed samples step 3 exactly as a run that never stopped."""
-    whole = run_config(assets, tmp_path / "whole", total_steps=3, save_every=2)
+    seeded = {"rollout": {"deterministic_inference": True}}  # seeds are sent only to servers that honour them
+    whole = run_config(assets, tmp_path / "whole", sections=seeded, total_steps=3, save_every=2)
     proc = start_train(whole, assets, "eval.every_n_steps=0")
     log = _finish(proc)
     assert proc.returncode == 0, log[-4000:]
-    split = run_config(assets, tmp_path / "split", total_steps=2, save_every=2)
+    split = run_config(assets, tmp_path / "split", sections=seeded, total_steps=2, save_every=2)
     for extra in (["trainer.total_steps=2"], ["--resume", "trainer.total_steps=3"]):
         proc = start_train(split, assets, *extra, "eval.every_n_steps=0")
         log = _finish(proc)

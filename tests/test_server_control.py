@@ -369,7 +369,9 @@ def test_update_under_pause_labels_each_token_with_the_weights_that_produced_it(
         "max_new_tokens": num, "temperature": 0, "ignore_eos": True}})
     wait_running(url, 1)
     assert http(url + "/pause_generation", {"mode": mode})[0] == 200
-    status, reply = http(url + "/update_weights_from_disk", {"model_path": str(other_ckpt), "weight_version": "11"})
+    # A request holds KV while paused in place: the update must not ask for a flush (SGLang refuses it).
+    status, reply = http(url + "/update_weights_from_disk", {"model_path": str(other_ckpt), "weight_version": "11",
+                                                             "flush_cache": mode != "in_place"})
     assert status == 200, reply
     assert http(url + "/continue_generation", {})[0] == 200
     status, out = fut.result(timeout=120)
@@ -388,3 +390,40 @@ def test_update_under_pause_labels_each_token_with_the_weights_that_produced_it(
         assert lps[k:] == pytest.approx(new[k:], abs=1e-4)
     assert max(abs(a - b) for a, b in zip(lps[k:], old[k:])) > 1e-2  # the new weights really produced them
     assert http(url + "/update_weights_from_disk", {"model_path": str(tiny_hf_dir), "weight_version": "v1"})[0] == 200
+
+
+def test_flush_while_paused_in_place_is_refused(server, tiny_hf_dir, other_ckpt):
+    """SGLang 0.5.23: paused in place, requests keep their KV, so `/flush_cache` is a 400 and an update
+    that asks for its flush (`flush_cache` defaults to true) loads the weights but answers
+    success=false, 400. The project's client before this change sent the default: this is what it met.
+    With `flush_cache: false` the update succeeds; after continue and idle a flush works."""
+    url = server.url
+    fut = bg(url + "/generate", {"input_ids": [3, 4, 5], "sampling_params": LONG})
+    wait_running(url, 1)
+    assert http(url + "/pause_generation", {"mode": "in_place"})[0] == 200
+    status, text = http(url + "/flush_cache", {})
+    assert status == 400
+    status, reply = http(url + "/update_weights_from_disk", {"model_path": str(other_ckpt), "weight_version": "f1"})
+    assert status == 400 and reply["success"] is False and "cache was not flushed" in reply["message"]
+    assert http(url + "/model_info", method="GET")[1]["weight_version"] == "f1"  # loaded all the same, as SGLang
+    status, reply = http(url + "/update_weights_from_disk", {"model_path": str(tiny_hf_dir), "weight_version": "f2",
+                                                             "flush_cache": False})
+    assert status == 200 and reply["success"] is True, reply
+    assert http(url + "/abort_request", {"abort_all": True})[0] == 200
+    assert http(url + "/continue_generation", {})[0] == 200
+    assert fut.result(timeout=120)[0] == 200
+    wait_idle(url)
+    assert http(url + "/flush_cache", {})[0] == 200
+
+
+def test_sampling_seed_is_ignored_without_deterministic_inference(tiny_hf_dir):
+    """SGLang honours `sampling_seed` only under --enable-deterministic-inference; the built-in server
+    too, so a client cannot rely on seeds the real server would ignore."""
+    body = {"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 12, "sampling_seed": 11, "temperature": 2.0}}
+    outs = {}
+    for flag in ((), ("--enable-deterministic-inference",)):
+        with start_server(tiny_hf_dir, extra_args=["--num-threads", "1", *flag]) as s:
+            outs[flag] = [http(s.url + "/generate", body)[1]["output_ids"] for _ in range(4)]
+            assert http(s.url + "/server_info", method="GET")[1]["enable_deterministic_inference"] is bool(flag)
+    assert all(o == outs[("--enable-deterministic-inference",)][0] for o in outs[("--enable-deterministic-inference",)])
+    assert len({tuple(o) for o in outs[()]}) > 1

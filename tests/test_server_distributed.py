@@ -3,7 +3,9 @@
 The test process plays the trainer: it fires `/init_weights_update_group` asynchronously, joins the
 group as rank 0, then posts `/update_weights_from_distributed` and broadcasts another checkpoint's
 tensors in list order. Afterwards the server's log-probs must equal a direct forward of that
-checkpoint, and a bad parameter name must fail without changing the served weights.
+checkpoint, and a bad parameter name must fail without changing the served weights. Updates run in
+a `/begin_weight_update` ... `/end_weight_update` session; the server refuses them outside one, as
+SGLang 0.5.23 does (`test_update_outside_a_session_is_refused`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def test_gloo_distributed_update_matches_trainer_weights(server, other_model):
     try:
         assert init.result(timeout=120) == (200, {"success": True,
                                                   "message": "Succeeded to initialize custom process group."})
+        assert http(url + "/begin_weight_update", {})[1] == {"success": True, "message": "Success"}
         params = [(n, p.detach()) for n, p in other_model.named_parameters()]
         half = len(params) // 2  # two buckets: one tensor per broadcast, then one flattened broadcast
         for bucket, flat in ((params[:half], False), (params[half:], True)):
@@ -77,7 +80,7 @@ def test_gloo_distributed_update_matches_trainer_weights(server, other_model):
         assert (ids, lps) != before
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_logprobs(other_model, prompt, ids)),
                                    atol=1e-4, rtol=0)
-        assert http(url + "/get_model_info", method="GET")[1]["weight_version"] == "d1"
+        assert http(url + "/model_info", method="GET")[1]["weight_version"] == "d1"
 
         # One flattened bucket with a bad name: received in full, rejected, weights unchanged.
         bad = {"names": ["model.norm.weight", "no.such.param"], "dtypes": ["float32", "float32"],
@@ -87,6 +90,7 @@ def test_gloo_distributed_update_matches_trainer_weights(server, other_model):
         status, out = reply.result(timeout=120)
         assert status == 400 and out["success"] is False and "no.such.param" in out["message"]
         assert served_logprobs(url, prompt, 8) == (ids, lps)
+        assert http(url + "/end_weight_update", {})[1] == {"success": True, "message": "Success"}
     finally:
         destroy_weights_update_group(pg)
     assert http(url + "/destroy_weights_update_group", {"group_name": group})[1]["success"] is True
@@ -110,7 +114,7 @@ def test_sender_syncs_two_servers_in_one_group(server, tiny_hf_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
-    from megatron_bapo.sync import DistributedWeightSender
+    from megatron_bapo.sync.sender import DistributedWeightSender
     from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
 
     new = AutoModelForCausalLM.from_pretrained(make_tiny_hf_checkpoint(tmp_path / "new", seed=5),
@@ -120,7 +124,9 @@ def test_sender_syncs_two_servers_in_one_group(server, tiny_hf_dir, tmp_path):
         sender = DistributedWeightSender(client, backend="gloo", group_name="two_servers", timeout_s=120)
         sender.connect()
         try:
-            assert sender.send([params[:5], params[5:]], weight_version="s1") == len(params)
+            client.run(client.abegin_weight_update())
+            assert sender.send(params[:5]) + sender.send(params[5:], weight_version="s1", flush_cache=True) == len(params)
+            client.run(client.aend_weight_update())
         finally:
             sender.close()
         prompt = [21, 22, 23]
@@ -128,3 +134,31 @@ def test_sender_syncs_two_servers_in_one_group(server, tiny_hf_dir, tmp_path):
             ids, lps = served_logprobs(url, prompt, 6)
             torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_logprobs(new, prompt, ids)), atol=1e-4, rtol=0)
             assert http(url + "/get_weight_version", method="GET")[1] == {"weight_version": "s1"}
+
+
+def test_update_outside_a_session_is_refused(server, other_model):
+    """SGLang 0.5.23: `/update_weights_from_distributed` outside `/begin_weight_update` ...
+    `/end_weight_update` answers success=false without receiving, so the trainer's broadcast is
+    stranded (here until the group timeout); a second begin and an end without a session are refused
+    too. The project's client before this change never opened a session: this is what it met."""
+    from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
+    from megatron_bapo.rollout.errors import RolloutError
+    from megatron_bapo.sync.sender import DistributedWeightSender
+
+    url = server.url
+    assert http(url + "/end_weight_update", {})[1] == {
+        "success": False, "message": "no weight-update session is open; call begin_weight_update() first"}
+    bucket = [(n, p.detach()) for n, p in other_model.named_parameters()][:2]
+    with RolloutClient(RolloutClientConfig(urls=[url])) as client:
+        sender = DistributedWeightSender(client, backend="gloo", group_name="no_session", timeout_s=5)
+        sender.connect()
+        try:
+            with pytest.raises(RolloutError, match="between begin_weight_update"):
+                sender.send(bucket, weight_version="x")
+        finally:
+            sender.close()
+    assert http(url + "/model_info", method="GET")[1]["weight_version"] != "x"
+    assert http(url + "/begin_weight_update", {})[0] == 200
+    status, out = http(url + "/begin_weight_update", {})
+    assert status == 400 and "already open" in out["message"]
+    assert http(url + "/end_weight_update", {})[0] == 200

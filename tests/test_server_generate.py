@@ -22,7 +22,8 @@ from server_helpers import http, ref_logprobs
 
 @pytest.fixture(scope="module")
 def server(tiny_hf_dir):
-    with start_server(tiny_hf_dir, extra_args=["--num-threads", "1", "--random-seed", "3"]) as handle:
+    with start_server(tiny_hf_dir, extra_args=["--num-threads", "1", "--random-seed", "3",
+                                              "--enable-deterministic-inference"]) as handle:
         yield handle
 
 

@@ -81,16 +81,47 @@ def test_shellcheck_clean():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_32b_config_is_a_valid_run_config_with_the_paper_hyperparameters():
+@pytest.mark.parametrize("name, response", [("qwen2.5-32b-bapo-64k", 65536), ("qwen3-32b-bapo-64k", 65536),
+                                            ("qwen3-8b-bapo", 32768)], ids=lambda v: str(v))
+def test_recipe_configs_are_valid_run_configs_with_the_paper_hyperparameters(name, response):
     from megatron_bapo.config import load_run_config
 
-    cfg = load_run_config(ROOT / "examples/configs/qwen2.5-32b-bapo-64k.yaml")
+    cfg = load_run_config(ROOT / f"examples/configs/{name}.yaml")
     b = cfg.actor.bapo
     assert (b.rho0, b.low_start, b.low_max, b.high_start, b.high_max, b.high_step, b.low_step) == (
         0.4, 0.6, 0.9, 1.2, 3.0, 0.05, 0.02)
     assert cfg.actor.optim.lr == 2e-6 and cfg.rollout.sampling.temperature == 0.6
-    assert cfg.rollout.max_response_tokens == 65536 and cfg.rollout.segment_tokens < 65536
+    assert cfg.rollout.max_response_tokens == response and cfg.rollout.segment_tokens < response
     assert cfg.sync.method == "distributed"
+
+
+@pytest.mark.parametrize(
+    "recipe, config, model, nodes, server_args",
+    [("qwen3-32b", "qwen3-32b-bapo-64k.yaml", "/models/Qwen3-32B", "16", "--tp-size 8 --host 0.0.0.0 --port 30000 --context-length 69632"),
+     ("qwen3-8b", "qwen3-8b-bapo.yaml", "/models/Qwen3-8B", "2", "--tp-size 1 --host 0.0.0.0 --port 30007 --context-length 36864")],
+    ids=["qwen3-32b", "qwen3-8b"],
+)
+def test_32b_script_takes_the_recipe_through_a_variable(recipe, config, model, nodes, server_args):
+    """RECIPE picks the run YAML, the checkpoint and (8B) the node split; DRY_RUN shows all of it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SGLANG_"))}
+    env.update(DRY_RUN="1", RECIPE=recipe)
+    out = subprocess.run(["bash", str(ROOT / "examples/run_32b_bapo.sh")], capture_output=True, text=True, env=env,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert f"recipe {recipe}: config {ROOT}/examples/configs/{config}, model {model}" in out.stderr
+    # 64k is past Qwen3-32B's 40960 positions: SGLang is told to accept the longer context (docs/cluster.md)
+    assert ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1" in out.stderr) == (recipe == "qwen3-32b")
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("+")]
+    servers = [ln for ln in lines if "sglang.launch_server" in ln]
+    assert servers and all(f"--model-path {model} " in s for s in servers)
+    assert any(server_args in s for s in servers)
+    actor = [ln for ln in lines if "megatron_bapo.train" in ln][0]
+    assert f"--config {ROOT}/examples/configs/{config}" in actor and f"model.hf_path={model}" in actor
+    assert len({ln.split("--nodelist=")[1].split()[0] for ln in servers}) + int(
+        actor.split("--nnodes=")[1].split()[0]) == int(nodes)
+    bad = subprocess.run(["bash", str(ROOT / "examples/run_32b_bapo.sh")], capture_output=True, text=True,
+                         env=dict(env, RECIPE="qwen3-14b"), timeout=60, cwd=ROOT)
+    assert bad.returncode != 0 and "RECIPE=qwen3-14b is not one of" in bad.stderr
 
 
 def test_32b_servers_use_their_own_python():
@@ -104,3 +135,17 @@ def test_32b_servers_use_their_own_python():
 def test_dockerfile_hadolint_clean():
     out = subprocess.run([_tool("hadolint"), "Dockerfile"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_32b_dry_run_shows_the_server_flags_the_sync_relies_on():
+    """The servers get what the run config asks of them (read by the script as the trainer reads it):
+    seeds need --enable-deterministic-inference, an in-place pause needs --disable-radix-cache."""
+    def flags(*args: str) -> str:
+        lines = _dry_run("examples/run_32b_bapo.sh", *args, ACTOR_NODES="1", ROLLOUT_NODES="1")
+        return [ln for ln in lines if "sglang.launch_server" in ln][0]
+
+    plain = flags()  # the 32B config: abort pause, no seeds
+    assert "--weight-version 0" in plain
+    assert "--enable-deterministic-inference" not in plain and "--disable-radix-cache" not in plain
+    both = flags("rollout.deterministic_inference=true", "sync.pause_mode=in_place")
+    assert "--enable-deterministic-inference" in both and "--disable-radix-cache" in both

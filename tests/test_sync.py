@@ -31,7 +31,7 @@ def _server_logprobs(url: str) -> torch.Tensor:
 
 
 def _version(url: str) -> str:
-    with urllib.request.urlopen(url + "/get_model_info", timeout=30) as resp:
+    with urllib.request.urlopen(url + "/model_info", timeout=30) as resp:
         return json.loads(resp.read())["weight_version"]
 
 
@@ -39,13 +39,18 @@ def _train_side(rank, world_size, hf_dir, url, method, sync_port, tmp):
     """Actor (TP = world_size) from the HF checkpoint, weights perturbed, then synced as version 5."""
     from transformers import AutoConfig
 
+    from pathlib import Path
+
     from megatron_bapo.actor import ActorConfig
     from megatron_bapo.actor.actor import Actor
-    from megatron_bapo.config import SyncConfig
+    from megatron_bapo.config import RolloutConfig
     from megatron_bapo.convert import load_hf_into_model
     from megatron_bapo.models.parallel import ParallelConfig
-    from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
-    from megatron_bapo.sync import DiskWeightSync, DistributedWeightSync
+    from megatron_bapo.rollout import RolloutClientConfig
+    from megatron_bapo.rollout.pool import ServerPool
+    from megatron_bapo.sync import SyncConfig
+    from megatron_bapo.sync.delivery import NullDelivery, WeightDelivery
+    from megatron_bapo.sync.export import make_export
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     actor = Actor(ActorConfig(parallel=ParallelConfig(tp=world_size), vocab_divisible_by=64), hf_config)
@@ -58,19 +63,23 @@ def _train_side(rank, world_size, hf_dir, url, method, sync_port, tmp):
     lp = actor.compute_logprobs({"input_ids": ids, "attention_mask": torch.ones_like(ids)})[0, 1:].double()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     cfg = SyncConfig(method=method, backend=backend, master_address="127.0.0.1", master_port=sync_port,
-                     bucket_bytes=64 * 1024)  # small buckets: several update calls per sync
-    client = RolloutClient(RolloutClientConfig(urls=[url])) if rank == 0 else None  # rank 0 talks to the servers
-    if method == "distributed":
-        sync = DistributedWeightSync(cfg, actor, hf_config, client)
-        sent = sync.sync(5)
-        sync.sync(6)  # a second sync reuses the group
+                     bucket_bytes=64 * 1024, group_timeout_s=120)  # small buckets: several update calls per sync
+    export = make_export(cfg, actor, hf_config, Path(tmp).parent, tokenizer_src=hf_dir)
+    pool = None
+    if rank == 0:  # rank 0 delivers to the servers; the others only take part in the gathers
+        pool = ServerPool(RolloutConfig(client=RolloutClientConfig(urls=[url])), model_path=hf_dir, seed=0,
+                          log_dir=Path(tmp).parent / "logs", state_path=Path(tmp).parent / "servers.json")
+        pool.start()
+        delivery = WeightDelivery(cfg, pool, deterministic_inference=False)
     else:
-        sync = DiskWeightSync(cfg, actor, hf_config, tmp, client, tokenizer_src=hf_dir)
-        sync.sync(5)
-        sent = sync.sync(6)
-    sync.close()
-    if client is not None:
-        client.close()
+        delivery = NullDelivery()
+    sent = 0
+    for version in (5, 6):  # a second sync reuses the group
+        with delivery.update(version) as sink:
+            sent = export.run(version, sink) or 0
+    delivery.close()
+    if pool is not None:
+        pool.close()
     return {"lp": lp, "sent": sent}
 
 

@@ -13,7 +13,8 @@
 #
 # The machine needs python3 with a CUDA torch; nothing is installed into it. Python packages it
 # lacks (megatron-core above all) are carried as wheels in .whl/ (GPU_CHECK_WHEELS), which
-# --fetch-wheels fills for Python 3.12 on x86-64 (PY_VERSION to change); they are unpacked into a
+# --fetch-wheels fills for Python 3.12 on x86-64 (PY_VERSION to change; the megatron-core version is
+# pins.env's); they are unpacked into a
 # temporary directory on PYTHONPATH. Without Transformer Engine the local layer spec runs, and the
 # benchmark's first lines say so (and why). --tiny shrinks every benchmark to CPU size (the tests run
 # this whole script on a CPU that way). Exit status: 0 when every part passed, else the first failure's.
@@ -29,7 +30,8 @@ RUN_BENCH=1
 BENCH_ARGS=()
 
 fetch_wheels() {
-  local version=${MEGATRON_CORE_VERSION:-0.16.1}
+  local version=${MEGATRON_CORE_VERSION:-$(sed -n 's/^MEGATRON_CORE_VERSION=//p' pins.env 2>/dev/null)}
+  version=${version:-0.16.1}
   local plats=()
   for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
     plats+=(--platform "$p")

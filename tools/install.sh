@@ -18,7 +18,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 stamp="$VENV/.megatron_bapo_installed"
-if [ -f "$stamp" ] && [ "$stamp" -nt setup.py ]; then
+if [ -f "$stamp" ] && [ "$stamp" -nt setup.py ] && [ "$stamp" -nt pins.env ]; then
   exit 0
 fi
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
@@ -31,4 +31,18 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
 fi
 echo "[install] megatron_bapo and its dependencies"
 "${PIP[@]}" install -e ".[dev]"
+
+# .venv-sglang: the pinned SGLang's request definitions for tests/test_sglang_conformance.py.
+# `sglang` without its dependencies (they are CUDA builds), plus what the modules the check loads
+# import: msgspec, pydantic, numpy and the CPU torch from local disk (never a CUDA download).
+# shellcheck source=pins.env
+source pins.env
+SGLANG_VENV=${SGLANG_VENV:-.venv-sglang}
+if [ ! -x "$SGLANG_VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$SGLANG_VENV"
+fi
+SPIP=("$SGLANG_VENV/bin/python" -m pip --disable-pip-version-check -q)
+echo "[install] $SGLANG_VENV: sglang==$SGLANG_VERSION (--no-deps), msgspec, pydantic, torch==$TORCH_CPU_VERSION (CPU)"
+"${SPIP[@]}" install "torch==$TORCH_CPU_VERSION" numpy msgspec pydantic
+"${SPIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
 touch "$stamp"

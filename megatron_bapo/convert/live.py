@@ -17,8 +17,9 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_bapo.convert.families import get_mapping
 from megatron_bapo.convert.hf_io import HFCheckpointReader, HFShardWriter, copy_tokenizer_files, write_config
-from megatron_bapo.convert.mapping import ModelMapping, ShapeInfo, TensorRule, full_to_hf, get_mapping, hf_to_full, shard, unshard
+from megatron_bapo.convert.mapping import ModelMapping, ShapeInfo, TensorRule, full_to_hf, hf_to_full, shard, unshard
 from megatron_bapo.models.parallel import ParallelGroups, current_groups
 from megatron_bapo.run_state import replace_dir
 

@@ -11,8 +11,9 @@ and a `kind` that says how the HF tensors fuse into it and how it splits across 
 - `vocab`: rows padded with zeros from the HF `vocab_size` to the padded vocab size; dim-0 chunks.
 - `column` / `row`: dim-0 / dim-1 chunks; `replicated`: same on every TP rank.
 
-Families register by HF `architectures` name (`register_mapping`, `get_mapping`); there is no
-substring dispatch.
+Each family's mapping lives in its own file under `convert/families/`; the explicit table there
+(`families.MAPPINGS`, `families.get_mapping`) is keyed by the HF `architectures` name. This module
+knows no family, so the dependency runs one way: families -> mapping.
 """
 
 from __future__ import annotations
@@ -195,36 +196,6 @@ class ModelMapping:
 
     def is_ignored_hf(self, name: str) -> bool:
         return any(re.match(p, name) for p in self.ignored_hf)
-
-
-_MAPPINGS: dict[str, ModelMapping] = {}
-
-
-def register_mapping(mapping: ModelMapping) -> ModelMapping:
-    if mapping.architecture in _MAPPINGS:
-        raise ValueError(f"a weight mapping for {mapping.architecture!r} is already registered")
-    _MAPPINGS[mapping.architecture] = mapping
-    return mapping
-
-
-def supported_architectures() -> list[str]:
-    _load_families()
-    return sorted(_MAPPINGS)
-
-
-def get_mapping(hf_config: Any) -> ModelMapping:
-    """The weight mapping for an HF config (PretrainedConfig or dict); errors list the supported ones."""
-    from megatron_bapo.models.registry import _architecture
-
-    _load_families()
-    arch = _architecture(hf_config)
-    if arch not in _MAPPINGS:
-        raise ValueError(f"no weight mapping for architecture {arch!r}; supported: {sorted(_MAPPINGS)}")
-    return _MAPPINGS[arch]
-
-
-def _load_families() -> None:
-    from megatron_bapo.convert import families  # noqa: F401  (registers on import)
 
 
 def as_dict(hf_config: Any) -> Mapping:

@@ -27,9 +27,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_bapo.convert.families import get_mapping
 from megatron_bapo.convert.hf_io import HFCheckpointReader, HFShardWriter, copy_tokenizer_files, write_config
 from megatron_bapo.convert.live import check_hf_names
-from megatron_bapo.convert.mapping import ModelMapping, ShapeInfo, TensorRule, full_to_hf, get_mapping, hf_to_full
+from megatron_bapo.convert.mapping import ModelMapping, ShapeInfo, TensorRule, full_to_hf, hf_to_full
 from megatron_bapo.run_state import replace_dir
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def _meta_model(hf_config: Any, dtype: torch.dtype, vocab_divisible_by: int):
     from megatron.core.models.gpt import GPTModel
 
     from megatron_bapo.models.builder import transformer_config_from_hf
-    from megatron_bapo.models.layer_spec import get_layer_spec
+    from megatron_bapo.models.layer_spec import get_layer_spec, spec_options
 
     config, args = transformer_config_from_hf(
         hf_config, dtype=dtype, vocab_divisible_by=vocab_divisible_by,
@@ -66,7 +67,7 @@ def _meta_model(hf_config: Any, dtype: torch.dtype, vocab_divisible_by: int):
     )
     with torch.device("meta"):
         model = GPTModel(
-            config=config, transformer_layer_spec=get_layer_spec(use_te=False), pre_process=True,
+            config=config, transformer_layer_spec=get_layer_spec(use_te=False, **spec_options(config)), pre_process=True,
             post_process=True, parallel_output=True, **args.gpt_kwargs,
         )
     return model

@@ -16,13 +16,20 @@ neither Apex nor TE is installed), which refuses `sequence_parallel=True`
 (megatron/core/transformer/torch_norm.py:32) because it does not mark its weights for the TP
 all-reduce of sequence-parallel gradients. `SpTorchNorm` builds the same torch module (same
 parameter names and values) and marks them, as Apex's FusedLayerNorm and TE's TENorm do.
+
+Model-dependent submodules come from the `TransformerConfig` through `spec_options(config)`: today
+the per-head query/key norms (`qk_layernorm`, Qwen3), one `head_dim` weight each, built by the same
+norm class (`SpTorchNorm` locally, TE's norm on GPUs). Their weights are replicated over TP while
+each TP rank normalises only its own heads, so their gradients are partial sums on every rank;
+megatron's `finalize_model_grads` all-reduces every `q_layernorm`/`k_layernorm` gradient over the
+TP group when `config.qk_layernorm` is set, with or without sequence parallelism.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -138,11 +145,18 @@ class SpTorchNorm:
         return norm
 
 
-def get_layer_spec(*, use_te: Optional[bool] = None):
+def spec_options(config) -> dict[str, Any]:
+    """The `get_layer_spec` arguments that depend on the model, read from its `TransformerConfig`
+    (one place, so every builder of a spec, live or on the meta device, gets the same modules)."""
+    return {"qk_layernorm": bool(getattr(config, "qk_layernorm", False))}
+
+
+def get_layer_spec(*, use_te: Optional[bool] = None, qk_layernorm: bool = False):
     """The GPT transformer-layer spec for this machine.
 
     use_te: None resolves `layer_spec="auto"` (`resolve_layer_spec`); True requires CUDA and TE
     (error otherwise); False forces the local spec with SDPA attention (works everywhere).
+    qk_layernorm: RMSNorm each query and key head before RoPE (Qwen3); pass `**spec_options(config)`.
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -153,9 +167,13 @@ def get_layer_spec(*, use_te: Optional[bool] = None):
         use_te = resolve_layer_spec("auto").use_te
     if use_te:
         resolve_layer_spec("te")  # raises unless CUDA and TE are both usable
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = sdpa_attention_class()
+    if qk_layernorm:
+        attention.q_layernorm = SpTorchNorm
+        attention.k_layernorm = SpTorchNorm
     spec.submodules.input_layernorm = SpTorchNorm
     spec.submodules.pre_mlp_layernorm = SpTorchNorm
     return spec
@@ -171,7 +189,7 @@ def get_block_spec(config, *, vp_stage: Optional[int] = None, use_te: Optional[b
     """
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    spec = get_layer_spec(use_te=use_te)
+    spec = get_layer_spec(use_te=use_te, **spec_options(config))
     if spec.submodules.input_layernorm is not SpTorchNorm:
         return spec
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)

@@ -40,11 +40,12 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
     return getattr(cfg, name, default)
 
 
-MODEL_TYPE_TO_ARCH = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+MODEL_TYPE_TO_ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 """Used only when a config object has no `architectures` (e.g. built in code, not loaded)."""
 
 
-def _architecture(cfg: Any) -> str:
+def architecture_of(cfg: Any) -> str:
+    """The one HF `architectures` name of a config (or its `model_type`'s, for configs built in code)."""
     archs = _get(cfg, "architectures") or []
     if not archs and _get(cfg, "model_type") in MODEL_TYPE_TO_ARCH:
         return MODEL_TYPE_TO_ARCH[_get(cfg, "model_type")]
@@ -126,12 +127,39 @@ def _common(cfg: Any, arch: str, vocab_divisible_by: int) -> ModelArgs:
 
 def _qwen2(cfg: Any, vocab_divisible_by: int) -> ModelArgs:
     """Qwen2 / Qwen2.5: bias on q/k/v only; optional tied embeddings; no sliding window in training."""
-    if _get(cfg, "use_sliding_window", False):
-        raise ValueError("Qwen2ForCausalLM: use_sliding_window=True is not supported (set it to false)")
+    _reject_sliding_window(cfg, "Qwen2ForCausalLM")
     args = _common(cfg, "Qwen2ForCausalLM", vocab_divisible_by)
     args.config_kwargs["add_qkv_bias"] = True
     _reject_rope_scaling(cfg, "Qwen2ForCausalLM")
     return args
+
+
+def _qwen3(cfg: Any, vocab_divisible_by: int) -> ModelArgs:
+    """Qwen3 dense: RMSNorm on every query and key head before RoPE (megatron-core `qk_layernorm`,
+    one `head_dim` weight shared by all heads), no biases, an explicit `head_dim` that may differ
+    from hidden_size / num_attention_heads (`kv_channels`), tied (0.6B-4B) or untied (8B+) head."""
+    return _qwen3_attention(cfg, "Qwen3ForCausalLM", vocab_divisible_by)
+
+
+def _qwen3_attention(cfg: Any, arch: str, vocab_divisible_by: int) -> ModelArgs:
+    """What every Qwen3 shares (the attention, norms, RoPE): a Qwen3 MoE adds its experts to these."""
+    if _get(cfg, "attention_bias", False):
+        # HF puts the bias on o_proj too; megatron's add_qkv_bias covers q/k/v only.
+        raise ValueError(f"{arch}: attention_bias=True is not supported (no released Qwen3 uses it)")
+    _reject_sliding_window(cfg, arch)
+    _reject_rope_scaling(cfg, arch)
+    args = _common(cfg, arch, vocab_divisible_by)
+    args.config_kwargs["qk_layernorm"] = True
+    return args
+
+
+def _reject_sliding_window(cfg: Any, arch: str) -> None:
+    """Training attends over the whole sequence; a config with sliding-window layers would differ."""
+    if _get(cfg, "use_sliding_window", False):
+        raise ValueError(f"{arch}: use_sliding_window=True is not supported (set it to false)")
+    sliding = [i for i, kind in enumerate(_get(cfg, "layer_types") or []) if kind != "full_attention"]
+    if sliding:
+        raise ValueError(f"{arch}: layer_types has non-full attention at layers {sliding} (only 'full_attention' is supported)")
 
 
 def _llama(cfg: Any, vocab_divisible_by: int) -> ModelArgs:
@@ -162,6 +190,7 @@ def _reject_rope_scaling(cfg: Any, arch: str) -> None:
 
 MODEL_REGISTRY: dict[str, Callable[[Any, int], ModelArgs]] = {
     "Qwen2ForCausalLM": _qwen2,
+    "Qwen3ForCausalLM": _qwen3,
     "LlamaForCausalLM": _llama,
 }
 
@@ -175,7 +204,7 @@ def model_args_from_hf(hf_config: Any, *, vocab_divisible_by: int = 128) -> Mode
 
     Raises ValueError naming the architecture/field for anything the mapping does not reproduce.
     """
-    arch = _architecture(hf_config)
+    arch = architecture_of(hf_config)
     if arch not in MODEL_REGISTRY:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {supported_architectures()}")
     return MODEL_REGISTRY[arch](hf_config, vocab_divisible_by)

@@ -11,6 +11,8 @@ rounded up as the actor pads for CP/SP),
 elements per token and decoder layer, counted with saved-tensor hooks on the local (SDPA) spec:
   6h replicated over TP (two RMSNorms: input, normalised output, linear input)
   + (3 q_dim + 3 kv_dim + 5 ffn + heads) / tp   (q, k, the qkv buffer, attention out, softmax stats, SwiGLU)
+  + (2 q_dim + kv_dim + heads + kv_heads) / tp  with per-head q/k norms (Qwen3: the normalised q and k,
+                                                 one rms statistic per head)
 With sequence parallelism everything is divided by tp. Full recomputation keeps one `h` (/tp with
 SP) per layer and token, plus one layer's full activations while it is recomputed.
 1F1B keeps `pp` micro-batches in flight on the first stage (x (1 + (pp-1)/(pp*vpp)) interleaved),
@@ -100,6 +102,8 @@ def _layer_elems_per_token(inputs: PlanInputs) -> tuple[float, float]:
     kv_dim = ck["num_query_groups"] * ck["kv_channels"]
     q_dim = heads * ck["kv_channels"]
     sharded = (3 * q_dim + 3 * kv_dim + 5 * ffn + heads) / par.tp
+    if ck.get("qk_layernorm"):
+        sharded += (2 * q_dim + kv_dim + heads + ck["num_query_groups"]) / par.tp
     replicated = 6 * h
     if par.sequence_parallel:
         return replicated / par.tp + sharded, h / par.tp

@@ -113,7 +113,7 @@ def count_parameters(hf_config: Any, *, vocab_divisible_by: int = 128, dtype: to
     from megatron.core.models.gpt import GPTModel
 
     from megatron_bapo.models.builder import transformer_config_from_hf
-    from megatron_bapo.models.layer_spec import get_layer_spec
+    from megatron_bapo.models.layer_spec import get_layer_spec, spec_options
 
     if not torch.cuda.is_available():
         from megatron_bapo.models import cpu_compat
@@ -125,7 +125,7 @@ def count_parameters(hf_config: Any, *, vocab_divisible_by: int = 128, dtype: to
             use_cpu_initialization=True, perform_initialization=True,
         )
         model = GPTModel(
-            config=config, transformer_layer_spec=get_layer_spec(use_te=False), pre_process=True,
+            config=config, transformer_layer_spec=get_layer_spec(use_te=False, **spec_options(config)), pre_process=True,
             post_process=True, parallel_output=True, **args.gpt_kwargs,
         )
     per_layer: dict[int, list[int]] = {}

@@ -9,7 +9,7 @@ Public API (the trainer's view)::
     client = RolloutClient(RolloutClientConfig(urls=["http://127.0.0.1:30000", ...]))
     client.wait_healthy()                                   # /health_generate on every worker
     client.update_weights_from_disk(hf_dir, version)        # every worker; version int -> "str" on the wire
-    client.get_weight_version() -> int | None               # via /get_model_info (None = "default")
+    client.get_weight_version() -> int | None               # via /model_info (None = "default")
     client.flush_cache(); client.abort_all()
     client.pause_generation(); client.continue_generation()
     client.close()                                          # or `with RolloutClient(...) as client:`

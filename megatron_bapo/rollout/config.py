@@ -139,6 +139,13 @@ class PartialRolloutConfig:
     `max_context_tokens - len(prompt + response so far)` tokens, and a sample with no room left is
     truncated; SGLang would reject the request with a 400 instead. None = do not clip."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    deterministic_inference: bool = False
+    """Send every segment its own `sampling_seed` (from `trainer.seed` and the sample's identity), so
+    a run samples the same responses whatever order requests reach the servers in. SGLang honours a
+    seed only when launched with `--enable-deterministic-inference` (slower kernels) and ignores it
+    otherwise, so the servers must run with that flag: the built-in servers get it, the SLURM
+    launcher passes it (it reads this field) and the first weight update refuses a server without it.
+    False: no seeds (the servers' own generators; responses are not reproducible)."""
 
     def __post_init__(self) -> None:
         if self.max_context_tokens is not None and self.max_context_tokens < 2:

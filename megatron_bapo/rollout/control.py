@@ -24,10 +24,9 @@ import aiohttp
 
 from megatron_bapo.rollout.errors import RolloutError
 from megatron_bapo.rollout.protocol import parse_version
+from megatron_bapo.sync.config import PAUSE_MODES
 
 logger = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class ControlMixin:
@@ -150,16 +149,17 @@ class ControlMixin:
     def flush_cache(self) -> None:
         self.run(self.aflush_cache())
 
-    async def aupdate_weights_from_disk(self, model_path: str, weight_version: int, *,
+    async def aupdate_weights_from_disk(self, model_path: str, weight_version: int, *, flush_cache: bool = True,
                                         abort_all_requests: bool = False, only: Optional[list[str]] = None) -> None:
         """Every worker (or the workers in `only`) loads the HF checkpoint at `model_path` and reports
-        `weight_version`.
+        `weight_version`; `flush_cache` is sent explicitly (SGLang 0.5.23 refuses the update's flush
+        while requests hold KV, e.g. paused in place: `sync.config.flushes_cache`).
 
         Raises RolloutError naming each worker that failed (unreachable, 400, success false): a
         worker left on old weights would silently serve a different policy.
         """
         body = {"model_path": str(model_path), "weight_version": str(int(weight_version)),
-                "abort_all_requests": abort_all_requests}
+                "abort_all_requests": abort_all_requests, "flush_cache": bool(flush_cache)}
 
         async def one(url: str) -> Any:
             if only is not None and url not in only:
@@ -167,44 +167,57 @@ class ControlMixin:
             return await self._expect_success(url, "/update_weights_from_disk", body)
         await self._each_or_raise("update_weights_from_disk", one)
 
-    def update_weights_from_disk(self, model_path: str, weight_version: int, *, abort_all_requests: bool = False,
-                                 only: Optional[list[str]] = None) -> None:
-        self.run(self.aupdate_weights_from_disk(model_path, weight_version, abort_all_requests=abort_all_requests,
-                                                only=only))
+    def update_weights_from_disk(self, model_path: str, weight_version: int, *, flush_cache: bool = True,
+                                 abort_all_requests: bool = False, only: Optional[list[str]] = None) -> None:
+        self.run(self.aupdate_weights_from_disk(model_path, weight_version, flush_cache=flush_cache,
+                                                abort_all_requests=abort_all_requests, only=only))
 
     async def aget_server_info(self) -> dict[str, dict]:
-        """`/get_server_info` of every worker (e.g. its `tp_size` for the distributed weight group)."""
+        """`/server_info` of every worker (its launch arguments: `tp_size` for the distributed weight
+        group, `context_length`, `enable_deterministic_inference`, `disable_radix_cache`).
+        SGLang 0.5.23 logs `/get_server_info` as deprecated; both name the same handler."""
         async def one(url: str) -> dict:
-            status, text = await self._request("GET", url, "/get_server_info", None, 30)
+            status, text = await self._request("GET", url, "/server_info", None, 30)
             if status != 200:
-                raise RolloutError(f"{url}/get_server_info returned {status}: {text[:200]}")
+                raise RolloutError(f"{url}/server_info returned {status}: {text[:200]}")
             return json.loads(text)
-        return await self._each_or_raise("get_server_info", one)
+        return await self._each_or_raise("server_info", one)
 
-    async def ainit_weights_update_group(self, bodies: dict[str, dict]) -> None:
+    async def abegin_weight_update(self) -> None:
+        """`/begin_weight_update` on every worker: SGLang 0.5.23 refuses a distributed (or tensor)
+        update outside such a session. Takes the writer lock unless paused."""
+        await self._each_or_raise("begin_weight_update", lambda u: self._expect_success(
+            u, "/begin_weight_update", {}, retry=False))
+
+    async def aend_weight_update(self) -> None:
+        """`/end_weight_update` on every worker: closes the session `abegin_weight_update` opened."""
+        await self._each_or_raise("end_weight_update", lambda u: self._expect_success(
+            u, "/end_weight_update", {}, retry=False))
+
+    async def ainit_weights_update_group(self, bodies: dict[str, dict], timeout: Optional[float] = None) -> None:
         """`/init_weights_update_group` to each worker with its own body (its `rank_offset`); each call
         returns only when the rendezvous completes, so the caller joins the group meanwhile."""
         await self._each_or_raise("init_weights_update_group", lambda u: self._expect_success(
-            u, "/init_weights_update_group", bodies[u], retry=False))
-
-    async def aupdate_weights_from_distributed(self, body: dict) -> None:
-        """`/update_weights_from_distributed` to every worker; each returns once it received the
-        bucket, which the caller broadcasts meanwhile."""
-        await self._each_or_raise("update_weights_from_distributed", lambda u: self._expect_success(
-            u, "/update_weights_from_distributed", body, retry=False))
+            u, "/init_weights_update_group", bodies[u], retry=False, timeout=timeout))
 
     async def adestroy_weights_update_group(self, group_name: str) -> None:
         await self._each_or_raise("destroy_weights_update_group", lambda u: self._expect_success(
             u, "/destroy_weights_update_group", {"group_name": group_name}, timeout=60))
 
+    async def aupdate_weights_from_distributed(self, body: dict, timeout: Optional[float] = None) -> None:
+        """`/update_weights_from_distributed` to every worker (inside a begin/end session); each
+        returns once it received the bucket, which the caller broadcasts meanwhile."""
+        await self._each_or_raise("update_weights_from_distributed", lambda u: self._expect_success(
+            u, "/update_weights_from_distributed", body, retry=False, timeout=timeout))
+
     async def aget_weight_versions(self) -> dict[str, str]:
-        """`weight_version` of each worker (strings, as on the wire) from `/get_model_info`."""
+        """`weight_version` of each worker (strings, as on the wire) from `/model_info`."""
         async def one(url: str) -> str:
-            status, text = await self._request("GET", url, "/get_model_info", None, 30)
+            status, text = await self._request("GET", url, "/model_info", None, 30)
             if status != 200:
-                raise RolloutError(f"{url}/get_model_info returned {status}: {text[:200]}")
+                raise RolloutError(f"{url}/model_info returned {status}: {text[:200]}")
             return str(json.loads(text).get("weight_version"))
-        return await self._each_or_raise("get_model_info", one)
+        return await self._each_or_raise("model_info", one)
 
     def get_weight_version(self) -> Optional[int]:
         """The workers' common weight version as an int (None for "default"); raises if they differ."""
@@ -217,8 +230,8 @@ class ControlMixin:
     # ------------------------------------------------------------------ pause, health
     async def apause_generation(self, mode: Optional[str] = None) -> None:
         """`/pause_generation` on every worker (`mode` "abort"/"retract"/"in_place" on SGLang >= 0.5.15)."""
-        if mode is not None and mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES} or None, got {mode!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         body = {} if mode is None else {"mode": mode}
         await self._each_or_raise("pause_generation", lambda u: self._expect_success(u, "/pause_generation", body))
 

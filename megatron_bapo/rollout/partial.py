@@ -47,7 +47,8 @@ class PartialRolloutManager:
         (seed, the group's prompt index and start version, the sample's index in the group, the
         tokens it has so far, its regenerations), so a run samples the same responses whatever
         order its requests reach the servers in, and a resumed run samples as the uninterrupted one
-        would. None: the servers' own generators."""
+        would. Set it only for servers that honour seeds (SGLang: `--enable-deterministic-inference`;
+        the driver passes it when `rollout.deterministic_inference`). None: the servers' own generators."""
         self.client = client
         self.config = config
         self.seed = seed

@@ -1,6 +1,7 @@
 """aiohttp application: `/generate`, health and info routes, and the process entry (`serve`).
 
-Control routes (abort, flush, pause, weight updates, memory) live in `control.py`.
+Control routes (abort, flush, pause, weight updates, memory) live in `control.py`, the distributed
+weight sync in `distributed.py`; all three share `http.py` and import nothing of each other.
 
 The event loop only moves bytes and futures: JSON parsing of large bodies, request parsing and
 tokenization, and reply building (detokenization, JSON) run in `ServerState.pool`, and the engine
@@ -23,22 +24,22 @@ from typing import Any, Optional
 import torch
 from aiohttp import web
 
+from megatron_bapo.server import control, distributed
 from megatron_bapo.server.config import ServerConfig
 from megatron_bapo.server.engine import Engine
+from megatron_bapo.server.http import (STATE_KEY, body_too_large, error_response, parse_json, read_body)
 from megatron_bapo.server.req import LockedTokenizer, Req
 from megatron_bapo.server.protocol import (GenerateItem, GenerateRequest, RequestError, RequestLimits, SamplingParams,
                                             check_context, parse_generate)
 from megatron_bapo.server.response import build_output
 from megatron_bapo.server.state import ServerState
 from megatron_bapo.server.weights import eos_token_ids, load_model
+from megatron_bapo.weight_update import nccl_version
 
 logger = logging.getLogger(__name__)
 
-STATE_KEY = web.AppKey("bapo_server_state", ServerState)
 SERVER_VERSION = "0.0.0+megatron.bapo.builtin"
 HEALTH_CHECK_TIMEOUT_S = 20.0
-INLINE_JSON_BYTES = 64 << 10
-"""Bodies up to this size are parsed on the event loop (~1 ms); larger ones in the pool."""
 LINGERING_TIME_S = 2.0
 """After refusing a body unread (413, 401), how long the server keeps reading and discarding what
 the client still sends before closing, so the client sees the reply instead of a reset. aiohttp's
@@ -56,51 +57,6 @@ class ApiKeyCheck:
     def __call__(self, header: Optional[str]) -> bool:
         got = (header or "").encode("utf-8", "surrogateescape")
         return hmac.compare_digest(got, self._expected)
-
-
-def body_too_large(limit: int) -> RequestError:
-    return RequestError(f"the request body is larger than this server's limit max_body_bytes={limit} "
-                        "(--max-body-bytes)", status=413, shape=2)
-
-
-def error_response(exc: RequestError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
-
-
-async def read_body(request: web.Request) -> bytes:
-    """The raw body, at most `max_body_bytes` (aiohttp's `client_max_size`; 413 naming it above)."""
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise body_too_large(request.app[STATE_KEY].config.max_body_bytes) from None
-
-
-def parse_json(raw: bytes, *, allow_empty: bool = True) -> Any:
-    """Bytes -> JSON; an empty body is `{}` when allowed. Bad JSON -> RequestError (shape 2)."""
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise RequestError("the request body is empty; send a JSON object", shape=2)
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, over-long ints, deep nesting
-        raise RequestError(f"JSON decode error: {exc}", shape=2) from None
-
-
-async def read_json(request: web.Request, *, allow_empty: bool = True) -> Any:
-    """The body as JSON (parsed in the pool when large)."""
-    raw = await read_body(request)
-    if len(raw) <= INLINE_JSON_BYTES:
-        return parse_json(raw, allow_empty=allow_empty)
-    return await request.app[STATE_KEY].offload(parse_json, raw, allow_empty=allow_empty)
-
-
-def read_object(body: Any, endpoint: str) -> dict:
-    if body is None:
-        return {}
-    if not isinstance(body, dict):
-        raise RequestError(f"{endpoint}: the body must be a JSON object, got {type(body).__name__}", shape=2)
-    return body
 
 
 @web.middleware
@@ -152,6 +108,9 @@ def parse_request(state: ServerState, raw: bytes) -> GenerateRequest:
     tokenize = None if state.tokenizer is None else (lambda text: state.tokenizer(text)["input_ids"])
     parsed = parse_generate(body, tokenize, state.limits)
     _validate_items(state, parsed.items)
+    if not state.config.enable_deterministic_inference:
+        for item in parsed.items:  # SGLang ignores seeds without --enable-deterministic-inference
+            item.params.sampling_seed = None
     return parsed
 
 
@@ -301,7 +260,9 @@ async def get_server_info(request: web.Request) -> web.Response:
     info.update(model_path=state.model_path, tp_size=1, dp_size=1, pp_size=1, context_length=state.context_length,
                 weight_version=state.weight_version, max_total_num_tokens=load_entry(state)["num_total_tokens"],
                 max_req_input_len=state.context_length - 1, internal_states=[load_entry(state)],
-                version=SERVER_VERSION, backend="megatron_bapo.server (transformers, CPU)")
+                version=SERVER_VERSION, backend="megatron_bapo.server (transformers, CPU)",
+                disable_radix_cache=True,  # there is no prefix cache across calls (server/README.md)
+                nccl_version=nccl_version())
     return web.json_response(info)
 
 
@@ -316,8 +277,6 @@ async def get_loads(request: web.Request) -> web.Response:
 
 
 def create_app(state: ServerState) -> web.Application:
-    from megatron_bapo.server import control
-
     app = web.Application(middlewares=[error_middleware], client_max_size=state.config.max_body_bytes)
     app[STATE_KEY] = state
     app.router.add_post("/generate", generate)
@@ -329,6 +288,7 @@ def create_app(state: ServerState) -> web.Application:
                           ("/v1/loads", get_loads), ("/get_load", get_loads)):
         app.router.add_get(path, handler)
     control.add_routes(app)
+    distributed.add_routes(app)
     return app
 
 

@@ -36,7 +36,11 @@ class ServerConfig:
     max_total_tokens: Optional[int] = None
     """KV budget: running requests reserve prompt + max_new_tokens each; None = no limit (tiny models)."""
     random_seed: int = 0
-    """Seed of the server-wide sampling generator (requests without `sampling_seed`)."""
+    """Seed of the server-wide sampling generator (requests without a honoured `sampling_seed`)."""
+    enable_deterministic_inference: bool = False
+    """Honour `sampling_params.sampling_seed` (a per-request generator). Off, a seed is accepted and
+    ignored, as SGLang 0.5.23 does without `--enable-deterministic-inference`, so a client that relies
+    on seeds without asking the server for them gets what it would get from SGLang."""
     weight_version: str = "default"
     """Initial weight version string."""
     api_key: Optional[str] = None
@@ -103,7 +107,7 @@ IGNORED_SGLANG_FLAGS: dict[str, object] = {
     "--load-format": None, "--device": None, "--watchdog-timeout": None, "--base-gpu-id": None,
     "--gpu-id-step": None, "--enable-torch-compile": 0, "--disable-custom-all-reduce": 0,
     "--skip-server-warmup": 0, "--allow-auto-truncate": 0, "--quantization": None,
-    "--enable-deterministic-inference": 0, "--admin-api-key": None, "--show-time-cost": 0,
+    "--admin-api-key": None, "--show-time-cost": 0,
     "--stream-output": 0, "--incremental-streaming-output": 0, "--disable-overlap-schedule": 0,
     "--enable-dp-attention": 0, "--max-queued-requests": None, "--revision": None,
 }
@@ -123,6 +127,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="honour sampling_params.sampling_seed (ignored otherwise, as in SGLang)")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")

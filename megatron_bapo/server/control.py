@@ -1,6 +1,7 @@
 """Control endpoints: abort, flush, pause/continue, weight version and weight updates, memory.
 
-Reply shapes and status codes follow SGLang 0.5.15 (spec sections 3, 4, 8, 9, 11, 12, 13).
+Reply shapes, status codes and refusals follow SGLang 0.5.23 (spec sections 3, 4, 8, 9, 11, 12, 13):
+an update's `flush_cache` (default true) fails the call while requests hold KV, as SGLang's does.
 """
 
 from __future__ import annotations
@@ -8,17 +9,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Optional
 
 from aiohttp import web
 
-from megatron_bapo.server.app import STATE_KEY, read_json, read_object
+from megatron_bapo.server.http import STATE_KEY, read_json, read_object
 from megatron_bapo.server.protocol import RequestError
 from megatron_bapo.server.state import ServerState
 from megatron_bapo.server.weights import load_model
+from megatron_bapo.sync.config import PAUSE_MODES as SYNC_PAUSE_MODES
 
 logger = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+PAUSE_MODES = tuple(m for m in SYNC_PAUSE_MODES if m is not None)
+"""`/pause_generation` modes (the trainer's `sync.pause_mode` without null)."""
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -45,11 +49,25 @@ async def abort_request(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-def _idle(state: ServerState) -> bool:
+def idle(state: ServerState) -> bool:
     """Nothing holds KV: no running request, and no waiting one unless paused (retracted requests
     wait without KV, so a retract pause leaves the cache flushable, as in SGLang)."""
     running, waiting, _ = state.engine.loads()
     return running == 0 and (waiting == 0 or state.paused)
+
+
+FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+                 "queued. Retract or finish them, then call /flush_cache.")
+"""SGLang 0.5.23's reply when an update's `flush_cache` meets requests holding KV (e.g. paused in place)."""
+
+
+def flush_after_update(state: ServerState, body: dict) -> Optional[str]:
+    """An update's own flush (`flush_cache`, default true), judged as SGLang's scheduler judges it:
+    the error message when requests hold KV, else None. There is no prefix cache to clear here; a
+    flush SGLang would refuse is refused all the same, so a client that asks for one fails here too."""
+    if _flag(body, "flush_cache", True) and not idle(state):
+        return FLUSH_REFUSED
+    return None
 
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -60,7 +78,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     except ValueError:
         return web.Response(status=400, text=f"timeout must be a number, got {request.query.get('timeout')!r}")
     deadline = time.monotonic() + max(timeout, 0.0)
-    while not _idle(state):
+    while not idle(state):
         if time.monotonic() >= deadline:
             msg = "Timed out waiting for idle state." if timeout > 0 else "Flush cache failed."
             return web.Response(status=400, text=msg)
@@ -139,9 +157,12 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
             message = "Succeeded to update model weights."
             if version is not None:
                 message += f" Weight version updated to {version}."
+            refused = flush_after_update(state, body)
         finally:
             await state.release_writer(taken)
     logger.info("weights updated from %s (version %s)", path, state.weight_version)
+    if refused is not None:
+        return web.json_response({"success": False, "message": refused, "num_paused_requests": 0}, status=400)
     return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
 
@@ -155,7 +176,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 async def release_memory_occupation(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     read_object(await read_json(request), "/release_memory_occupation")
-    if not _idle(state):
+    if not idle(state):
         raise RequestError("release_memory_occupation needs an idle server (no running or waiting requests)")
     return web.json_response(None)
 
@@ -166,8 +187,6 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    from megatron_bapo.server import distributed
-
     app.router.add_post("/abort_request", abort_request)
     for method in ("GET", "POST"):
         app.router.add_route(method, "/flush_cache", flush_cache)
@@ -178,4 +197,3 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/update_weight_version", update_weight_version)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
-    distributed.add_routes(app)

@@ -1,5 +1,11 @@
-"""Distributed weight sync (spec section 10): `/init_weights_update_group`,
-`/update_weights_from_distributed`, `/destroy_weights_update_group`.
+"""Distributed weight sync (spec section 10): `/init_weights_update_group`, `/begin_weight_update`,
+`/update_weights_from_distributed`, `/end_weight_update`, `/destroy_weights_update_group`.
+
+As in SGLang 0.5.23, an update must run inside a session: `/begin_weight_update` opens it (refused
+while one is open), `/update_weights_from_distributed` outside one answers `success: false` (400)
+before receiving anything, `/end_weight_update` closes it (refused without one). Begin and end take
+the writer lock unless paused, like the updates themselves. An update's `flush_cache` (default
+true) fails it when requests hold KV (`control.flush_after_update`).
 
 The server joins a torch process group of its own (never the default group) at
 `tcp://master_address:master_port` as rank `rank_offset` (one TP rank here); the trainer is rank 0
@@ -22,7 +28,8 @@ from typing import Optional
 import torch
 from aiohttp import web
 
-from megatron_bapo.server.app import STATE_KEY, read_json, read_object
+from megatron_bapo.server.control import flush_after_update
+from megatron_bapo.server.http import STATE_KEY, read_json, read_object
 from megatron_bapo.server.protocol import RequestError
 from megatron_bapo.server.weights import check_named_tensors, load_named_tensors
 from megatron_bapo.weight_update import (
@@ -74,6 +81,8 @@ async def update_from_distributed(request: web.Request) -> web.Response:
     group_name = str(body.get("group_name") or DEFAULT_GROUP)
     if group_name not in state.weight_groups:
         raise RequestError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
+    if not state.weight_update_session:
+        return _fail("update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
     pg, backend = state.weight_groups[group_name]
     device = "cuda" if backend == "nccl" else "cpu"
     try:
@@ -107,11 +116,38 @@ async def update_from_distributed(request: web.Request) -> web.Response:
                 return None
 
             error = await asyncio.shield(asyncio.to_thread(receive_and_load))
-            if error is not None:
-                return _fail(error)
+            if error is None:
+                error = flush_after_update(state, body)
         finally:
             await state.release_writer(taken)
-    return web.json_response({"success": True, "message": "Succeeded to update parameter online from distributed."})
+    if error is not None:
+        return _fail(error)
+    return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+
+async def _session_call(request: web.Request, endpoint: str, opening: bool) -> web.Response:
+    """Begin / end a weight-update session under the writer lock (skipped while paused)."""
+    state = request.app[STATE_KEY]
+    read_object(await read_json(request), endpoint)
+    async with state.update_lock:
+        taken = await state.acquire_writer(False)
+        try:
+            if opening and state.weight_update_session:
+                return _fail("a weight-update session is already open; call end_weight_update() first")
+            if not opening and not state.weight_update_session:
+                return _fail("no weight-update session is open; call begin_weight_update() first")
+            state.weight_update_session = opening
+        finally:
+            await state.release_writer(taken)
+    return web.json_response({"success": True, "message": "Success"})
+
+
+async def begin_weight_update(request: web.Request) -> web.Response:
+    return await _session_call(request, "/begin_weight_update", True)
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    return await _session_call(request, "/end_weight_update", False)
 
 
 def _load(engine, named: list) -> None:
@@ -135,3 +171,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/init_weights_update_group", init_group)
     app.router.add_post("/update_weights_from_distributed", update_from_distributed)
     app.router.add_post("/destroy_weights_update_group", destroy_group)
+    app.router.add_post("/begin_weight_update", begin_weight_update)
+    app.router.add_post("/end_weight_update", end_weight_update)

@@ -45,6 +45,8 @@ class ServerState:
     cond: Optional[asyncio.Condition] = None
     update_lock: Optional[asyncio.Lock] = None
     weight_groups: dict = dataclasses.field(default_factory=dict)
+    weight_update_session: bool = False
+    """A `/begin_weight_update` session is open (distributed updates are refused outside one)."""
     limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
     api_key_check: Optional[Callable[[Optional[str]], bool]] = None
     """None: no API key configured (everything open)."""

@@ -1,22 +1,24 @@
-"""Trainer rank 0's side of the distributed weight-sync protocol (spec section 10), for any tensors.
+"""Trainer rank 0's side of the distributed weight-update group (spec section 10), for any tensors.
 
-    sender = DistributedWeightSender(client, backend="gloo")
+    sender = DistributedWeightSender(client, backend="gloo", timeout_s=600)
     sender.connect(ranks_per_server)               # every server joins; the trainer is rank 0
-    sender.send(buckets, weight_version="12")      # buckets: lists of (hf_name, tensor)
+    sender.send(bucket, weight_version="12", flush_cache=True)   # bucket: list of (hf_name, tensor)
     sender.close()
 
-Server i gets `rank_offset = 1 + ranks of the servers before it` (`ranks_per_server`: each server's
-TP size, 1 for the built-in server). Every HTTP call blocks until the collective it announces is
-done, so the calls are started on the rollout client's loop (`client.submit`) while this thread
-joins the rendezvous or broadcasts, and awaited afterwards. The group construction and the request
-body are `megatron_bapo.weight_update`, which the built-in server uses too, so both sides speak
-exactly one protocol. `sync.DistributedWeightSync` feeds this from the Megatron actor.
+`send` must run inside a `/begin_weight_update` ... `/end_weight_update` session (SGLang 0.5.23
+refuses the update otherwise, after this side already started broadcasting); the session, the pause
+and the flush policy are the caller's (`sync.delivery`). Server i gets `rank_offset = 1 + ranks of
+the servers before it` (`ranks_per_server`: each server's TP size, 1 for the built-in server).
+Every HTTP call blocks until the collective it announces is done, so the calls are started on the
+rollout client's loop (`client.submit`) while this thread joins the rendezvous or broadcasts, and
+awaited afterwards. The group construction and the request body are `megatron_bapo.weight_update`,
+which the built-in server uses too, so both sides speak exactly one protocol.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from megatron_bapo.models.parallel import free_port
 from megatron_bapo.rollout.errors import RolloutError
@@ -53,36 +55,34 @@ class DistributedWeightSender:
         bodies = {u: {"master_address": self.master_address, "master_port": self.master_port,
                       "rank_offset": 1 + sum(ranks[:i]), "world_size": world, "group_name": self.group_name,
                       "backend": self.backend} for i, u in enumerate(self.urls)}
-        pending = self.client.submit(self.client.ainit_weights_update_group(bodies))
+        pending = self.client.submit(self.client.ainit_weights_update_group(bodies, timeout=self.timeout_s))
         try:
             self.pg = init_weights_update_group(self.backend, self.master_address, self.master_port, 0, world,
                                                 self.group_name, timeout_s=self.timeout_s)
         except Exception as exc:
             pending.cancel()
             raise RolloutError(f"joining the weight update group at {self.master_address}:{self.master_port} "
-                               f"failed: {exc}") from exc
+                               f"failed within sync.group_timeout_s={self.timeout_s}: {exc}") from exc
         pending.result(self.timeout_s)
         logger.info("weight update group %s: world size %d (trainer + %s server ranks, %s)",
                     self.group_name, world, ranks, self.backend)
 
-    def send(self, buckets: Iterable[Sequence], *, weight_version: Optional[str] = None,
+    def send(self, bucket: Sequence, *, weight_version: Optional[str] = None, flush_cache: bool = False,
              flattened: bool = False) -> int:
-        """Send every bucket (a list of (hf_name, tensor)); only the last one carries `weight_version`,
-        so no server reports the new version while it holds a partial update. Returns tensors sent."""
+        """Announce one bucket of (hf_name, tensor) to every server and broadcast it; returns its size.
+        Only the bucket that completes an update carries `weight_version` (so no server reports the
+        new version while it holds a partial update) and, per the pause mode, `flush_cache`."""
         if self.pg is None:
             raise RuntimeError("DistributedWeightSender.send before connect()")
-        buckets = [list(b) for b in buckets]
-        count = 0
-        for i, bucket in enumerate(buckets):
-            version = weight_version if i == len(buckets) - 1 else None
-            body = update_request_body(bucket, group_name=self.group_name, weight_version=version, flattened=flattened)
-            pending = self.client.submit(self.client.aupdate_weights_from_distributed(body))
-            try:
-                broadcast_weights(self.pg, bucket, flattened=flattened)
-            finally:
-                pending.result(self.timeout_s)
-            count += len(bucket)
-        return count
+        bucket = list(bucket)
+        body = update_request_body(bucket, group_name=self.group_name, weight_version=weight_version,
+                                   flush_cache=flush_cache, flattened=flattened)
+        pending = self.client.submit(self.client.aupdate_weights_from_distributed(body, timeout=self.timeout_s))
+        try:
+            broadcast_weights(self.pg, bucket, flattened=flattened)
+        finally:
+            pending.result(self.timeout_s)
+        return len(bucket)
 
     def close(self) -> None:
         """Leave the group on every server (best effort: a dead server must not block teardown) and here."""

@@ -1,4 +1,4 @@
-"""The tiny default: a char-level tokenizer, a random small Qwen2/Llama checkpoint, a synthetic
+"""The tiny default: a char-level tokenizer, a random small Qwen2/Qwen3/Llama checkpoint, a synthetic
 verifiable arithmetic task and a short SFT warm start, so the whole RL stack runs on one CPU machine.
 
 Modules are imported on demand (`megatron_bapo.tiny.checkpoint`, `.tokenizer`, `.task`, `.sft`) so

@@ -1,4 +1,4 @@
-"""A tiny random HF checkpoint (Qwen2 by default, or Llama) with the char-level tokenizer.
+"""A tiny random HF checkpoint (Qwen2 by default, Qwen3 or Llama) with the char-level tokenizer.
 
 Used by tests (`tests/conftest.py::tiny_hf_dir`), by the built-in server, by conversion round trips and
 as the starting point of the tiny default's SFT warm start. Everything is built locally: no Hub access.
@@ -11,7 +11,15 @@ import pathlib
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from megatron_bapo.tiny.tokenizer import build_tiny_tokenizer
 
@@ -19,9 +27,17 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURES: dict[str, tuple[type, type]] = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
 }
 """`architecture` override -> (HF config class, HF model class)."""
+
+ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(head_dim=32),
+}
+"""Per-architecture defaults on top of `DEFAULT_MODEL_KWARGS`. Qwen3's `head_dim` is its own field and
+differs from hidden_size / num_attention_heads in the real models (32B: 64 heads x 128 on a 5120
+hidden size), so the tiny Qwen3 has 4 heads x 32 on 64: the case conversion and the builder must get right."""
 
 DEFAULT_MODEL_KWARGS: dict[str, Any] = dict(
     hidden_size=64,
@@ -50,7 +66,7 @@ def build_tiny_model(tokenizer, *, seed: int = 0, architecture: str = "qwen2", *
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}, got {architecture!r}")
     config_cls, model_cls = ARCHITECTURES[architecture]
-    kwargs = dict(DEFAULT_MODEL_KWARGS)
+    kwargs = dict(DEFAULT_MODEL_KWARGS, **ARCHITECTURE_DEFAULTS.get(architecture, {}))
     kwargs.update(
         vocab_size=len(tokenizer),
         eos_token_id=tokenizer.eos_token_id,
@@ -83,7 +99,7 @@ def make_tiny_hf_checkpoint(out_dir, *, seed: int = 0, **overrides: Any) -> path
     `AutoTokenizer.from_pretrained`: config.json, generation_config.json, model.safetensors (fp32),
     tokenizer files and the chat template. Same seed and overrides -> identical weights.
 
-    Overrides: `architecture` ("qwen2" | "llama"), `pad_vocab_to_multiple_of` (tokenizer vocabulary
+    Overrides: `architecture` ("qwen2" | "qwen3" | "llama"), `pad_vocab_to_multiple_of` (tokenizer vocabulary
     padding, default 64 -> 128 tokens), and any HF config field (`hidden_size`, `num_hidden_layers`,
     `num_attention_heads`, `num_key_value_heads`, `intermediate_size`, `tie_word_embeddings`, ...).
     """

@@ -1,6 +1,6 @@
 """Llama 2/3/3.x (`LlamaForCausalLM`): no biases; untied head (tied for Llama 3.2 1B/3B)."""
 
 from megatron_bapo.convert.families.llama_like import llama_like_rules
-from megatron_bapo.convert.mapping import ModelMapping, register_mapping
+from megatron_bapo.convert.mapping import ModelMapping
 
-LLAMA = register_mapping(ModelMapping("LlamaForCausalLM", llama_like_rules(qkv_bias=False)))
+LLAMA = ModelMapping("LlamaForCausalLM", llama_like_rules(qkv_bias=False))

@@ -1,0 +1,66 @@
+"""The weight sync's config (`sync` section of the run config) and the one list of pause modes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_bapo.config_io import ConfigError
+
+PAUSE_MODES: tuple[Optional[str], ...] = (None, "abort", "retract", "in_place")
+"""How an update meets generation in flight (`SyncConfig.pause_mode`); the client, the built-in
+server and the config all use this tuple (the server's `/pause_generation` takes the three names)."""
+
+
+def flushes_cache(pause_mode: Optional[str]) -> bool:
+    """Whether an update under `pause_mode` asks the servers to flush their prefix cache.
+
+    SGLang 0.5.23 flushes after an update only when no request holds KV: true with no pause (the
+    writer lock waited for every request), "abort" (none left) and "retract" (requests wait without
+    KV); "in_place" keeps the running requests' KV, so the flush is refused (`success: false`, the
+    update call fails). Under "in_place" the servers must therefore run without a radix cache
+    (`--disable-radix-cache`, checked at the first sync), so no later request reuses KV that older
+    weights computed.
+    """
+    return pause_mode != "in_place"
+
+
+@dataclass
+class SyncConfig:
+    """Weight sync from the actor to the rollout servers after every step (design section 3 step 7)."""
+
+    method: str = "disk"
+    """"disk": HF safetensors + /update_weights_from_disk (one machine, shared FS);
+    "distributed": a torch process group + /update_weights_from_distributed inside a
+    /begin_weight_update ... /end_weight_update session (NCCL on clusters)."""
+    backend: str = "nccl"
+    """Process-group backend of the "distributed" method ("gloo" on CPU)."""
+    master_address: str = "127.0.0.1"
+    master_port: int = 29600
+    bucket_bytes: int = 512 * 1024 * 1024
+    """Tensors per broadcast bucket ("distributed") / per safetensors shard ("disk")."""
+    keep_versions: int = 2
+    """HF directories kept under `output_dir/hf_sync/` ("disk"); older ones are deleted."""
+    pause_mode: Optional[str] = None
+    """How an update meets generation in flight (`megatron_bapo.sync.delivery`): null waits for the
+    in-flight requests (SGLang's writer lock; between segments with partial rollout); "abort"
+    returns them with their partial tokens (resumed under the new weights); "retract" / "in_place"
+    keep them running on the new weights, with per-token versions ("in_place" needs servers without
+    a radix cache). With "distributed" and `trainer.async_steps` > 0 a pause is required."""
+    group_timeout_s: float = 600.0
+    """Timeout of the distributed weight group: its rendezvous, every broadcast and the HTTP calls
+    that announce them. A server that does not join or receive within it fails the sync naming it."""
+
+    def __post_init__(self) -> None:
+        if self.method not in ("disk", "distributed"):
+            raise ConfigError(f"sync.method must be 'disk' or 'distributed', got {self.method!r}")
+        if self.backend not in ("nccl", "gloo"):
+            raise ConfigError(f"sync.backend must be 'nccl' or 'gloo', got {self.backend!r}")
+        if self.bucket_bytes < 1024:
+            raise ConfigError(f"sync.bucket_bytes must be >= 1024, got {self.bucket_bytes}")
+        if self.keep_versions < 1:
+            raise ConfigError(f"sync.keep_versions must be >= 1, got {self.keep_versions}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"sync.pause_mode must be null, 'abort', 'retract' or 'in_place', got {self.pause_mode!r}")
+        if not self.group_timeout_s > 0:
+            raise ConfigError(f"sync.group_timeout_s must be > 0, got {self.group_timeout_s}")

@@ -1,0 +1,136 @@
+"""Every request the trainer sends is one the pinned SGLang accepts, judged by SGLang's own code.
+
+Real trainer runs (`python -m megatron_bapo.train`, as a user runs it) talk to a built-in server
+through a recording proxy; `tools/sglang_conformance.py` then checks each recorded request, in
+`.venv-sglang` (the `sglang` version `pins.env` names, installed by `tools/install.sh`), against
+SGLang's route table, its `/generate` contract gate, `GenerateReqInput`, `SamplingParams(...)` with
+`.normalize()` + `.verify()`, the io_struct request class of every control endpoint, and the
+version's protocol rules (updates inside a begin/end session, no flush while paused in place, seeds
+only with `--enable-deterministic-inference`).
+
+The runs cover partial rollout (3-token segments of 6-token responses), rollout one step ahead,
+every `sync.pause_mode`, abort (the abort pause and the shutdown's abort_all), disk and distributed
+(gloo) weight sync with their cache flushes, and evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from run_helpers import ROOT, run_config, start_train, write_assets
+from sglang_proxy import RecordingProxy
+
+pytestmark = pytest.mark.slow
+SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
+PINS = dict(line.split("=", 1) for line in (ROOT / "pins.env").read_text().splitlines()
+            if line.strip() and not line.startswith("#"))
+
+# (name, sync section, trainer keys, deterministic inference): together every pause mode, both
+# sync methods, synchronous and one step ahead; each run is 3 steps with partial rollout and eval.
+RUNS = [
+    ("disk_abort_ahead", {"method": "disk", "pause_mode": "abort"}, {"async_steps": 1}, True),
+    ("disk_inplace", {"method": "disk", "pause_mode": "in_place"}, {"async_steps": 1, "eval_at_start": False}, False),
+    ("dist_retract_ahead", {"method": "distributed", "backend": "gloo", "pause_mode": "retract"}, {"async_steps": 1}, True),
+    ("dist_nopause", {"method": "distributed", "backend": "gloo", "pause_mode": None},
+     {"async_steps": 0, "eval_at_start": False}, False),
+]
+
+
+def check_records(records: Path, vocab_size: int) -> dict:
+    out = subprocess.run([str(SGLANG_PYTHON), str(ROOT / "tools" / "sglang_conformance.py"), "--records",
+                          str(records), "--vocab-size", str(vocab_size)], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip(), out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, tiny_hf_dir):
+    """Each run's recorded requests (one server per run, behind its own proxy)."""
+    from dist_harness import free_port
+
+    from megatron_bapo.server.launch import start_server
+
+    if not SGLANG_PYTHON.exists():
+        pytest.fail(f"{SGLANG_PYTHON} is missing: run bash tools/install.sh")
+    root = tmp_path_factory.mktemp("conformance")
+    assets = (write_assets(root), tiny_hf_dir)
+    out = {}
+    for name, sync, trainer, deterministic in RUNS:
+        records = root / f"{name}.jsonl"
+        flags = ["--num-threads", "1", *(["--enable-deterministic-inference"] if deterministic else [])]
+        with start_server(tiny_hf_dir, extra_args=flags) as server, RecordingProxy(server.url, records) as proxy:
+            sections = {"sync": {**sync, "master_port": free_port(), "group_timeout_s": 120},
+                        "rollout": {"group_size": 4, "prompts_per_step": 3, "max_response_tokens": 6,
+                                    "segment_tokens": 3, "max_staleness": 3, "deterministic_inference": deterministic,
+                                    "client": {"urls": [proxy.url], "health_timeout_s": 180}}}
+            proc = start_train(run_config(assets, root / name, sections=sections, **trainer), assets)
+            log, _ = proc.communicate(timeout=600)
+            assert proc.returncode == 0, log[-4000:]
+        out[name] = records
+    return out
+
+
+def test_pinned_sglang_is_what_the_check_reads():
+    version = subprocess.run([str(SGLANG_PYTHON), "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+                             capture_output=True, text=True, timeout=60).stdout.strip()
+    assert version == PINS["SGLANG_VERSION"], f".venv-sglang has sglang {version}, pins.env says {PINS['SGLANG_VERSION']}"
+
+
+@pytest.mark.parametrize("name", [r[0] for r in RUNS])
+def test_every_recorded_request_conforms_to_the_pinned_sglang(recorded, name, tiny_hf_dir):
+    from transformers import AutoConfig
+
+    report = check_records(recorded[name], AutoConfig.from_pretrained(tiny_hf_dir).vocab_size)
+    assert report["sglang"] == PINS["SGLANG_VERSION"]
+    assert report["violations"] == [], "\n".join(report["violations"][:20])
+    # The run really exercised what it is meant to cover.
+    paths = set(report["paths"])
+    _, sync, _, deterministic = next(r for r in RUNS if r[0] == name)
+    assert {"/generate", "/server_info", "/health_generate"} <= paths
+    if sync["method"] == "distributed":
+        assert {"/init_weights_update_group", "/begin_weight_update", "/update_weights_from_distributed",
+                "/end_weight_update", "/destroy_weights_update_group"} <= paths
+    else:
+        assert "/update_weights_from_disk" in paths
+    if sync["pause_mode"] is not None:
+        assert {"/pause_generation", "/continue_generation"} <= paths
+    assert "/abort_request" in paths  # the shutdown aborts what is in flight
+    bodies = [json.loads(line) for line in recorded[name].read_text().splitlines()]
+    generate = [b["body"] for b in bodies if b["path"] == "/generate"]
+    assert any(g["sampling_params"]["max_new_tokens"] < 6 for g in generate)  # partial rollout: segments
+    seeded = any("sampling_seed" in g["sampling_params"] for g in generate)
+    assert seeded == deterministic
+
+
+def test_the_check_catches_what_the_old_client_sent(tmp_path, tiny_hf_dir):
+    """What the client sent before this change, replayed to the checker: a seed to a server without
+    deterministic inference, a distributed update outside a session with the default flush, and a
+    disk update's default flush while paused in place are each named."""
+    from transformers import AutoConfig
+
+    records = tmp_path / "old.jsonl"
+    rows = [
+        {"method": "GET", "path": "/get_server_info", "body": None},
+        {"method": "GET", "path": "/get_server_info", "body": None, "reply": {"tp_size": 1}, "replay": True},
+        {"method": "POST", "path": "/generate", "body": {"input_ids": [5, 6], "return_logprob": True, "rid": "a" * 32,
+         "sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": False, "no_stop_trim": True,
+                             "spaces_between_special_tokens": False, "max_new_tokens": 3, "sampling_seed": 7}}},
+        {"method": "POST", "path": "/pause_generation", "body": {"mode": "in_place"}},
+        {"method": "POST", "path": "/update_weights_from_disk", "body": {"model_path": "/w", "weight_version": "1",
+                                                                        "abort_all_requests": False}},
+        {"method": "POST", "path": "/continue_generation", "body": {}},
+        {"method": "POST", "path": "/update_weights_from_distributed", "body": {
+            "names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[4, 4]], "group_name": "weight_update_group",
+            "flush_cache": True, "weight_version": "2"}},
+    ]
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = check_records(records, AutoConfig.from_pretrained(tiny_hf_dir).vocab_size)
+    text = "\n".join(report["violations"])
+    assert "deprecated" in text and "/get_server_info" in text
+    assert "sampling_seed sent to a server without --enable-deterministic-inference" in text
+    assert "flush_cache (explicit or the default true) while paused in place" in text
+    assert "outside a begin/end weight-update session" in text
