@@ -2,7 +2,7 @@
 
     for step in steps:
         batch   = driver.next_batch()                # rank 0: a finished rollout round -> rewards, advantages
-        batch   = broadcast(batch)                   # every actor rank holds the global batch
+        batch   = scatter(batch)                     # each actor rank gets its own DP/CP slice
         metrics = actor.train_step(batch)            # ppo_epochs x n_minibatches BAPO optimizer steps
         sync_weights(version)                        # export (every rank) -> delivery (rank 0's servers)
         log(metrics); maybe evaluate; maybe checkpoint
@@ -72,7 +72,7 @@ class Trainer:
     def train_one_step(self) -> dict[str, float]:
         step_start = time.monotonic()
         batch, metrics = self.driver.next_batch(self.step + 1, self.version)
-        batch = self._broadcast(batch)
+        batch = self._scatter(batch)
         t0 = time.monotonic()
         if batch is None:
             metrics["actor/skipped_empty_batch"] = 1.0
@@ -85,7 +85,7 @@ class Trainer:
                     logger.warning("step %d: no usable groups (all filtered); skipping the update", self.step + 1)
         else:
             metrics.update(self.actor.train_step(batch, current_version=self.version))
-            metrics["throughput/train_tokens_per_s"] = float(batch["attention_mask"].sum()) / max(time.monotonic() - t0, 1e-9)
+            metrics["throughput/train_tokens_per_s"] = batch.num_tokens / max(time.monotonic() - t0, 1e-9)
         t1 = time.monotonic()
         if batch is not None:  # unchanged weights need no new version
             self.version += 1
@@ -185,6 +185,13 @@ class Trainer:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
+
+    def _scatter(self, batch: Optional[dict[str, Any]]):
+        """Each rank gets only its DP/CP slice of rank 0's batch (None everywhere when rank 0 has none)."""
+        from megatron_bapo.actor.scatter import scatter_batch
+
+        return scatter_batch(batch, self.actor.batch_spec, self.actor.coords, self.cpu_group,
+                             current_version=self.version)
 
     def sync_weights(self, version: int) -> None:
         """Push the actor's weights to every server as `version`: every rank exports (gathers, writes

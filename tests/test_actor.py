@@ -100,11 +100,12 @@ def test_pp2_1f1b_equals_pp1(run_dist, tmp_path):
 
 
 def _bounds(rank, world_size, scope):
+    from megatron_bapo.actor.scatter import prepare_tensors
     from megatron_bapo.algorithms import search_clip_bounds
 
     actor = _actor(scope=scope, budget=10_000 if scope == "minibatch" else 10_000)
     b = _near_batch(actor, seed=3, num_seqs=12)
-    prepared = actor._prepare(b)
+    prepared = prepare_tensors(b)
     lp = actor.compute_logprobs(b)
     mask = prepared["loss_mask"]
     ratio = torch.exp((lp - prepared["behavior_logprobs"]) * mask)
@@ -206,3 +207,46 @@ def test_recompute_changes_memory_not_the_step(run_dist, reference, mode):
         assert res["calls"] > plain["calls"]
     else:  # selective recompute re-runs core attention only, inside the layer
         assert res["calls"] == plain["calls"]
+
+
+def _optimizer_steps(rank, world_size, reference):
+    from megatron_bapo.actor.actor import Actor
+    from strict_devices import StrictDevices
+
+    class MegatronStep(Actor):
+        """megatron's own `optimizer.step()` (prepare_grads, grad norm, clip, step) after the same backward."""
+
+        def _grad_norm_or_skip(self, loss):
+            ok, norm, _ = self.optimizer.step()
+            assert ok
+            return norm
+
+        def _optimizer_step(self, grad_norm):
+            pass
+
+    with StrictDevices() as sd:
+        actor = _actor(optim="adam", lr=1e-2, n_mini=2, budget=60)
+        if reference:
+            actor.__class__ = MegatronStep
+        actor.optimizer.config.clip_grad = 0.05  # every step clips
+        prepare = actor.optimizer.prepare_grads
+        calls = []
+        actor.optimizer.prepare_grads = lambda: calls.append(1) or prepare()
+        metrics = [actor.train_step(make_batch(num_seqs=8, seed=s)) for s in range(2)]
+    norm_group = [n for (op, group), n in sd.collectives.items() if op == "all_reduce" and "INSTANCE" in group]
+    return {"params": full_params(actor), "norms": [m["actor/grad_norm"] for m in metrics],
+            "prepare_grads": len(calls), "norm_all_reduces": sum(norm_group)}
+
+
+def test_optimizer_step_runs_prepare_grads_and_the_norm_reduction_once(run_dist):
+    """The actor needs the grad norm before stepping (to skip non-finite steps on every rank); it runs
+    megatron's step in its two halves instead of computing the norm and then calling `step()`,
+    which prepared the gradients and all-reduced the norm again (0fba64c). Same update as `step()`."""
+    ours = run_dist(_optimizer_steps, 2, False, timeout=120)
+    ref = run_dist(_optimizer_steps, 2, True, timeout=120)
+    for got, want in zip(ours, ref):
+        assert got["prepare_grads"] == want["prepare_grads"] == 4  # 2 train steps x 2 mini-batches
+        assert got["norm_all_reduces"] == want["norm_all_reduces"] == 4
+        assert got["norms"] == pytest.approx(want["norms"], rel=1e-12) and min(got["norms"]) > 0.05  # clipped
+        for name, p in want["params"].items():
+            torch.testing.assert_close(got["params"][name], p, atol=0, rtol=0, msg=name)

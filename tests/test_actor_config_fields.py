@@ -29,7 +29,7 @@ OPTIM_SGD = dict(name="sgd", lr=3e-3, min_lr=1e-4, warmup_steps=2, decay_style="
                  weight_decay=0.01, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6, sgd_momentum=0.7, clip_grad=0.5)
 COMMON = dict(max_tokens_per_microbatch=40, n_minibatches=2, ppo_epochs=2, search_scope="microbatch",
               loss_agg="seq-mean-token-sum", seed=77, logprob_chunk_size=5, vocab_divisible_by=48,
-              max_skipped_steps=3, recompute="full")
+              max_skipped_steps=3, recompute="full", layer_spec="local")
 LAYOUT_A = dict(parallel=dict(tp=2, pp=2, vpp=2, sequence_parallel=True, backend="gloo", timeout_minutes=7),
                 optim=OPTIM_SGD, packing=True, use_distributed_optimizer=False, dtype="float32", **COMMON)
 LAYOUT_B = dict(parallel=dict(cp=2, backend="gloo", timeout_minutes=9), optim=dict(OPTIM_SGD, name="adam"),
@@ -53,24 +53,28 @@ def _build_and_step(rank, world_size, layout):
     from megatron.core import tensor_parallel
 
     import megatron_bapo.actor.actor as actor_mod
+    import megatron_bapo.actor.scatter as scatter_mod
     from megatron_bapo.actor import ActorConfig
     from megatron_bapo.actor.actor import Actor
+    from megatron_bapo.actor.scatter import PreparedBatch
     from megatron_bapo.config_io import from_dict
 
     spies = {name: Recorder(getattr(actor_mod, name))
-             for name in ("search_clip_bounds", "policy_loss", "vocab_parallel_logprobs", "aggregation_weights")}
+             for name in ("search_clip_bounds", "policy_loss", "vocab_parallel_logprobs", "resolve_layer_spec")}
+    spies["aggregation_weights"] = Recorder(scatter_mod.aggregation_weights)
     for name, spy in spies.items():
-        setattr(actor_mod, name, spy)
+        setattr(scatter_mod if name == "aggregation_weights" else actor_mod, name, spy)
     cfg = from_dict(ActorConfig, {**layout, "bapo": BAPO}, "actor")
     actor = Actor(cfg, TINY4)
     b = make_batch(num_seqs=8, max_len=24, seed=5)
     b["behavior_logprobs"] = actor.compute_logprobs(b) - 0.05
+    layer_specs = [c[0][0] for c in spies["resolve_layer_spec"].calls]
     for spy in spies.values():
         spy.calls.clear()
-    mini = {k: v[:4] for k, v in actor._prepare(b).items()}
-    mini["weights"] = torch.ones_like(mini["loss_mask"])
-    num_microbatches = len(actor._microbatches(mini))
-    packed_microbatches = ["cu_seqlens" in mb for mb in actor._microbatches(mini)]
+    first = PreparedBatch(b, actor.batch_spec).for_rank(actor.coords).minibatches[0].microbatches  # rows 0-3
+    num_microbatches = len(first)
+    packed_microbatches = ["cu_seqlens" in mb for mb in first]
+    spies["aggregation_weights"].calls.clear()
     metrics = actor.train_step(b)
     bad = dict(b, advantages=b["advantages"] * float("nan"))
     with pytest.raises(RuntimeError, match="max_skipped_steps"):
@@ -109,6 +113,8 @@ def _build_and_step(rank, world_size, layout):
         "aggs": {c[0][1] for c in spies["aggregation_weights"].calls},
         "params_dtype": {p.dtype for m in actor.model for p in m.parameters()},
         "is_last_stage": actor.parallel.is_last_stage,
+        "layer_specs": layer_specs,
+        "core_attention": type(actor.model[0].module.decoder.layers[0].self_attention.core_attention).__name__,
     }
 
 
@@ -153,6 +159,7 @@ CHECKS = {
     "max_skipped_steps": lambda L, r: r["skipped_at_error"] == L["max_skipped_steps"] + 1,
     "recompute": lambda L, r: (r["tc"]["recompute_granularity"], r["tc"]["recompute_method"],
                                r["tc"]["recompute_num_layers"]) == ("full", "uniform", 1),
+    "layer_spec": lambda L, r: r["layer_specs"] == [L["layer_spec"]] and r["core_attention"] == "SdpaAttention",
     "bapo.dual_clip": lambda L, r: not r["is_last_stage"] or r["dual_clip"] == {BAPO["dual_clip"]},
     **{f"bapo.{k}": (lambda k, v: lambda L, r: not r["is_last_stage"]
                      or (bool(r["search"]) and all(getattr(c, k) == v for c in r["search"])))(k, v)

@@ -44,6 +44,9 @@ def test_actor_on_gpu_with_nccl_and_te(nccl_world, dtype):
     assert actor.distributed_optimizer
     core = type(actor.model[0].module.decoder.layers[0].self_attention.core_attention).__name__
     assert ("TE" in core) == have_transformer_engine()
+    mcfg = actor.model[0].config
+    assert mcfg.bias_activation_fusion and mcfg.bias_dropout_fusion  # models.builder.gpu_fusions
+    assert mcfg.apply_rope_fusion == have_transformer_engine()
     b = make_batch(num_seqs=16, max_len=48)
     before = actor.compute_logprobs(b)
     torch.cuda.reset_peak_memory_stats()

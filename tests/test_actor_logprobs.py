@@ -112,3 +112,35 @@ def test_model_tp2_logprobs_equal_tp1(run_dist):
     for lp in run_dist(_model_logprobs, 2, 2, timeout=120):
         torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
     assert (ref != 0).sum() > 50
+
+
+def _backward_ops(with_entropy: bool, use_entropy: bool) -> int:
+    """aten ops (other than detach) run by the backward of log-probs (+ entropy) when the loss uses
+    the log-probs only (or both)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += func is not torch.ops.aten.detach.default
+            return func(*args, **(kwargs or {}))
+
+    logits, targets, w_lp, w_ent = _data()
+    x = logits.clone().requires_grad_()
+    lp, ent = vocab_parallel_logprobs(x, targets, vocab_size=57, chunk_size=8, with_entropy=with_entropy)
+    loss = (lp * w_lp).sum() + ((ent * w_ent).sum() if use_entropy else 0)
+    with Count() as count:
+        loss.backward()
+    return count.ops
+
+
+def test_an_unused_entropy_costs_nothing_in_backward():
+    """The actor logs the entropy but trains on the log-probs: its backward must not run (before the
+    fix, autograd handed the backward a zero entropy gradient and it ran in full)."""
+    without = _backward_ops(with_entropy=False, use_entropy=False)
+    unused = _backward_ops(with_entropy=True, use_entropy=False)
+    used = _backward_ops(with_entropy=True, use_entropy=True)
+    assert unused == without < used

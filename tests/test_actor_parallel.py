@@ -1,9 +1,11 @@
 """The 32B recipe's knobs on real gloo ranks against the single-process padded reference.
 
 Context parallel (padded and packed), sequence parallel, packing, and their combinations with TP,
-PP and DP must give the same log-probs, loss, gradient norm and parameter update as one process on
-right-padded micro-batches, at a sampling temperature that is not 1 and with a sequence-mean loss
-aggregation (whose per-sequence denominators CP and packing split across ranks and rows).
+PP (interleaved too) and DP must give the same log-probs, loss, gradient norm and parameter update as
+one process on right-padded micro-batches, at a sampling temperature that is not 1 and with a
+sequence-mean loss aggregation (whose per-sequence denominators CP and packing split across ranks
+and rows). Every run is under `StrictDevices`, so a host tensor on a group that would be an NCCL
+group on GPUs fails the test.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from strict_devices import StrictDevices  # noqa: E402
 from test_actor_helpers import full_params, make_batch  # noqa: E402
 
 TEMPERATURE = 0.6
@@ -40,19 +43,21 @@ def _actor(hf_dir, tp=1, pp=1, cp=1, sp=False, vpp=None, packing=False, agg="tok
 
 
 def _step(rank, world_size, hf_dir, layout):
-    actor = _actor(hf_dir, **layout)
-    b = make_batch(num_seqs=8, max_len=23, seed=3, vocab=actor.hf_vocab_size)
-    b["temperature"] = TEMPERATURE
-    lp = actor.compute_logprobs(b)
-    g = torch.Generator().manual_seed(4)
-    b["behavior_logprobs"] = lp + 0.3 * torch.randn(lp.shape, generator=g)
-    before = full_params(actor)
-    metrics = actor.train_step(b)
-    after = full_params(actor)
-    return {
-        "lp": lp, "metrics": metrics, "lp_after": actor.compute_logprobs(b),
-        "update": {k: after[k] - before[k] for k in after}, "cp": actor.layout.cp_size,
-    }
+    # Under StrictDevices: megatron's default-backend groups refuse host tensors, as NCCL does.
+    with StrictDevices():
+        actor = _actor(hf_dir, **layout)
+        b = make_batch(num_seqs=8, max_len=23, seed=3, vocab=actor.hf_vocab_size)
+        b["temperature"] = TEMPERATURE
+        lp = actor.compute_logprobs(b)
+        g = torch.Generator().manual_seed(4)
+        b["behavior_logprobs"] = lp + 0.3 * torch.randn(lp.shape, generator=g)
+        before = full_params(actor)
+        metrics = actor.train_step(b)
+        after = full_params(actor)
+        return {
+            "lp": lp, "metrics": metrics, "lp_after": actor.compute_logprobs(b),
+            "update": {k: (after[k] - before[k]).cpu() for k in after}, "cp": actor.layout.cp_size,
+        }
 
 
 def _assert_same(ref, got):
@@ -98,6 +103,7 @@ def test_packed_equals_padded_including_gradients(run_dist, reference, hf4):
         ({"tp": 2, "cp": 2, "sp": True}, 4),
         ({"pp": 2, "cp": 2, "packing": True, "budget": 64}, 4),
         ({"pp": 2, "vpp": 2, "packing": True, "budget": 64}, 2),  # interleaved: one padded shape per pass
+        ({"pp": 2, "vpp": 2, "cp": 2, "packing": True, "budget": 64}, 4),  # interleaved x CP: global seq_length
         ({"cp": 2, "packing": True, "budget": 64}, 4),  # DP 2 x CP 2
     ],
     ids=lambda v: "-".join(f"{k}{int(x) if isinstance(x, bool) else x}" for k, x in v.items()) if isinstance(v, dict) else str(v),

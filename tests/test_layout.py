@@ -126,3 +126,19 @@ def test_padding_a_pack_to_a_common_shape_trains_nothing_more(cp):
         assert mb["input_ids"].shape == (1, target)
         slots = (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()
         assert slots[-1] == 6 * cp and sum(slots) == target * cp
+
+
+@pytest.mark.parametrize("packed, cp, sp", [(False, 1, 1), (False, 2, 2), (True, 1, 1), (True, 2, 1), (True, 2, 3)])
+def test_position_ids_are_rebuilt_from_the_shape_alone(packed, cp, sp):
+    """The batch scatter does not send position ids: each rank rebuilds them (vpp-padded packs too)."""
+    from megatron_bapo.actor.layout import local_position_ids, pad_packed_microbatch
+
+    data = _data([7, 12, 3, 9])
+    for rank in range(cp):
+        layout = MicroBatchLayout(packed=packed, cp_size=cp, cp_rank=rank, sp_size=sp)
+        mbs = [build_microbatch(data, [0, 1, 2, 3], layout)]
+        if packed:
+            mbs.append(pad_packed_microbatch(mbs[0], mbs[0]["input_ids"].shape[1] + 6, layout))
+        for mb in mbs:
+            mb["shape"] = tuple(mb["input_ids"].shape)
+            assert torch.equal(local_position_ids(mb, layout), mb["position_ids"])

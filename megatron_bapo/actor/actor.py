@@ -6,9 +6,12 @@ One `train_step(batch)` = `ppo_epochs` x `n_minibatches` optimizer steps. Per mi
   3. megatron's `get_forward_backward_func()` over token-budget micro-batches with `policy_loss`;
   4. grad norm; a non-finite one skips the step on every rank; else optimizer + LR schedule step.
 
-Micro-batches are packed (THD) or padded and sliced per context-parallel rank by `actor.layout`;
-log-probs and entropy are those of the sampling distribution softmax(logits / T), T being the
-rollout temperature the batch carries.
+A step trains on this rank's slice of the batch (`actor.scatter`: its DP rank's micro-batches, its
+context-parallel chunks, its pipeline stage's keys), cut here from the global batch or received from
+the trainer's rank 0. Micro-batches are packed (THD) or padded by `actor.layout`; log-probs and
+entropy are those of the sampling distribution softmax(logits / T), T being the rollout temperature
+the batch carries, passed explicitly down to the loss. Every tensor a collective over a device
+(NCCL) group carries lives on `Actor.device` (docs/parallelism.md).
 
 Global aggregation: every token carries an aggregation weight computed on the whole mini-batch
 (`aggregation_weights`: token-mean, or a sequence mean that would otherwise need a sequence's
@@ -23,35 +26,34 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from megatron_bapo.actor import batching
 from megatron_bapo.actor.config import ActorConfig
-from megatron_bapo.actor.layout import (
-    POSITION_KEYS,
-    MicroBatchLayout,
-    build_microbatch,
-    empty_like_microbatch,
-    pad_packed_microbatch,
-)
+from megatron_bapo.actor.layout import POSITION_KEYS, MicroBatchLayout, local_position_ids
 from megatron_bapo.actor.logprobs import vocab_parallel_logprobs
-from megatron_bapo.actor.metrics import MetricSums, acc_keys, average_steps, staleness_metrics
-from megatron_bapo.algorithms import aggregation_weights, clamped_log_ratio, policy_loss, search_clip_bounds
+from megatron_bapo.actor.metrics import MetricSums, acc_keys, average_steps
+from megatron_bapo.actor.scatter import (
+    BatchSpec,
+    MiniBatchWork,
+    PreparedBatch,
+    RankBatch,
+    RankCoords,
+    check_batch,
+    local_microbatches,
+    plan,
+)
+from megatron_bapo.algorithms import clamped_log_ratio, policy_loss, search_clip_bounds
 from megatron_bapo.models.builder import build_gpt_model
+from megatron_bapo.models.layer_spec import describe_attention, resolve_layer_spec
 from megatron_bapo.models.parallel import ParallelGroups, initialize_model_parallel
 
 logger = logging.getLogger(__name__)
-
-REQUIRED_KEYS = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "advantages")
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class Actor:
@@ -78,13 +80,18 @@ class Actor:
         overrides = dict(calculate_per_token_loss=True, sequence_parallel=pc.sequence_parallel,
                          **config.recompute_overrides())
         if pc.pp > 1 and not pc.vpp:
-            # Interleaved schedules exchange one fixed shape instead: `_microbatches` pads to it.
+            # Interleaved schedules exchange one fixed shape instead (`BatchSpec.common_shape` pads to it).
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        spec = resolve_layer_spec(config.layer_spec)
         chunks = [
-            build_gpt_model(hf_config, dtype=dtype, vp_stage=stage if pc.vpp else None,
+            build_gpt_model(hf_config, dtype=dtype, vp_stage=stage if pc.vpp else None, use_te=spec.use_te,
                             vocab_divisible_by=config.vocab_divisible_by, config_overrides=overrides)
             for stage in range(pc.vpp or 1)
         ]
+        fused = sorted(k.replace("_fusion", "") for k, v in vars(chunks[0].config).items()
+                       if k.endswith("_fusion") and v is True)
+        logger.info("model: %s layer spec (%s); %s; fusions: %s", "transformer_engine" if spec.use_te else "local",
+                    spec.reason, describe_attention(chunks[0].config, spec.use_te), ", ".join(fused) or "none")
         self.hf_vocab_size = chunks[0].hf_vocab_size
         self.layout = MicroBatchLayout(
             packed=config.packing, cp_size=self.parallel.cp_size, cp_rank=self.parallel.cp_rank,
@@ -121,52 +128,43 @@ class Actor:
         )
         self.num_updates = 0
         self.num_skipped_steps = 0
-        self._temperature = 1.0
-        """Sampling temperature of the batch being processed (set by train_step / compute_logprobs)."""
+        self.phase_times = {"search": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
+        """This rank's wall seconds per phase of the last `train_step`, summed over its optimizer steps:
+        the forward-only pass + bound search, forward/backward, grad norm + optimizer (diagnostics,
+        e.g. benchmarks/gpu_bench.py; they differ across ranks, unlike the returned metrics)."""
         logger.info("actor built: %s parameters on this rank, %s, %s micro-batches, %s optimizer",
                     f"{sum(p.numel() for m in self.model for p in m.parameters()):,}", config.dtype,
                     "packed" if config.packing else "padded",
                     "distributed" if self.distributed_optimizer else "plain")
 
     # ------------------------------------------------------------------ batches
-    def _check_batch(self, batch: dict[str, Any], keys=REQUIRED_KEYS) -> None:
-        missing = [k for k in keys if k not in batch]
-        if missing:
-            raise ValueError(f"Actor batch is missing {missing}; required: {list(keys)}")
-        shape = batch["input_ids"].shape
-        for k, v in batch.items():
-            if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape != shape:
-                raise ValueError(f"Actor batch[{k!r}] has shape {tuple(v.shape)}, expected {tuple(shape)}")
-        temperature = float(batch.get("temperature", 1.0))
-        if not (math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"Actor batch['temperature'] must be a finite number > 0, got {temperature}")
+    @property
+    def batch_spec(self) -> BatchSpec:
+        """How a global batch is cut for this actor's layout (the same on every rank)."""
+        pc, cfg = self.config.parallel, self.config
+        return BatchSpec(
+            packed=cfg.packing, cp_size=self.parallel.cp_size, sp_size=self.layout.sp_size,
+            dp_size=self.parallel.dp_size, max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
+            n_minibatches=cfg.n_minibatches, ppo_epochs=cfg.ppo_epochs, loss_agg=cfg.loss_agg,
+            microbatch_multiple=pc.pp if pc.vpp else 1, common_shape=bool(pc.vpp),
+        )
 
-    def _microbatches(self, data: dict[str, torch.Tensor]) -> list[dict]:
-        """This rank's micro-batches of `data` (token-aligned `[rows, T]`), same count on every DP rank."""
-        lengths = [int(n) for n in data["attention_mask"].sum(-1)]
-        pc = self.config.parallel
-        plan = batching.plan_microbatches(lengths, self.parallel.dp_size, self.config.max_tokens_per_microbatch,
-                                          cost=self.layout.cost, count_multiple=pc.pp if pc.vpp else 1)
-        out = []
-        for group in plan[self.parallel.dp_rank]:
-            if group:
-                out.append(build_microbatch(data, group, self.layout))
-            else:  # a rank with fewer rows than micro-batches runs a no-loss filler to keep counts equal
-                out.append(empty_like_microbatch(build_microbatch(data, [0], self.layout)))
-        if pc.vpp:  # one shape for the whole pass (the same on every rank of the pipeline)
-            longest = max(int(n) for n in self._local_lengths(plan, lengths))
-            out = [pad_packed_microbatch(mb, longest, self.layout) for mb in out]
-        return out
+    @property
+    def coords(self) -> RankCoords:
+        """This rank's place for the data it needs (its DP and CP rank, first/last pipeline stage)."""
+        p = self.parallel
+        return RankCoords(dp_rank=p.dp_rank, cp_rank=p.cp_rank, first_stage=p.is_first_stage,
+                          last_stage=p.is_last_stage)
 
-    def _local_lengths(self, plan: list, lengths: list[int]) -> list[int]:
-        """Tokens per rank of every micro-batch of the plan, on every DP rank (for a common shape)."""
-        return [self.layout.cost([lengths[i] for i in group]) // self.layout.cp_size
-                for shard in plan for group in shard]
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live: every tensor a device-group collective carries goes here."""
+        return next(self.model[0].parameters()).device
 
     # ------------------------------------------------------------------ model passes
     def _forward_step(self, loss_fn, data_iterator, model):
         mb = next(data_iterator)
-        dev = _device()
+        dev = self.device
         packed = None
         if "cu_seqlens" in mb:
             from megatron.core.packed_seq_params import PackedSeqParams
@@ -175,13 +173,17 @@ class Actor:
             n = int(mb["max_seqlen"])
             packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                                      cu_seqlens_kv_padded=cu, max_seqlen_q=n, max_seqlen_kv=n)
-        logits = model(mb["input_ids"].to(dev), mb["position_ids"].to(dev), None, packed_seq_params=packed)
+        ids = positions = None
+        if "input_ids" in mb:  # the first pipeline stage; later stages take the previous stage's output
+            ids = mb["input_ids"].to(dev).long()
+            positions = local_position_ids(mb, self.layout).to(dev)
+        logits = model(ids, positions, None, packed_seq_params=packed)
         return logits, partial(loss_fn, mb)
 
-    def _logprobs(self, mb: dict, logits: torch.Tensor, with_entropy: bool = True):
+    def _logprobs(self, mb: dict, logits: torch.Tensor, temperature: float):
         return vocab_parallel_logprobs(
             logits, mb["labels"].to(logits.device), tp_group=self.parallel.tp_group, vocab_size=self.hf_vocab_size,
-            chunk_size=self.config.logprob_chunk_size, with_entropy=with_entropy, temperature=self._temperature,
+            chunk_size=self.config.logprob_chunk_size, with_entropy=True, temperature=temperature,
         )
 
     def _run(self, mbs: list[dict], loss_fn, *, forward_only: bool) -> list:
@@ -193,41 +195,44 @@ class Actor:
             data_iterator=iters,
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(mbs),
-            seq_length=max(int(mb["input_ids"].shape[1]) for mb in mbs),
-            micro_batch_size=max(int(mb["input_ids"].shape[0]) for mb in mbs),
+            # megatron's schedules take the GLOBAL sequence length and divide it by CP (and SP) themselves.
+            seq_length=max(mb["shape"][1] for mb in mbs) * self.parallel.cp_size,
+            micro_batch_size=max(mb["shape"][0] for mb in mbs),
             forward_only=forward_only,
         )
 
-    def _eval_loss(self, mb: dict, logits: torch.Tensor):
-        lp, ent = self._logprobs(mb, logits)
-        return torch.zeros((), device=logits.device), torch.tensor(1, dtype=torch.int), {"lp": lp.detach(), "ent": ent.detach()}
+    def _eval_loss(self, temperature: float, mb: dict, logits: torch.Tensor):
+        lp, ent = self._logprobs(mb, logits, temperature)
+        one = torch.ones((), dtype=torch.int, device=logits.device)
+        return torch.zeros((), device=logits.device), one, {"lp": lp.detach(), "ent": ent.detach()}
 
-    def _forward_only(self, mbs: list[dict]) -> list:
+    def _forward_only(self, mbs: list[dict], temperature: float) -> list:
         for m in self.model:
             m.eval()
         with torch.no_grad():
-            return self._run(mbs, self._eval_loss, forward_only=True)
+            return self._run(mbs, partial(self._eval_loss, temperature), forward_only=True)
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def compute_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         """Current log-probs `[B, T]` aligned to the token (0 at position 0 and on padding), at the
-        batch's `temperature` (default 1). Collective over all ranks; identical on every rank."""
-        self._check_batch(batch, ("input_ids", "attention_mask"))
-        self._temperature = float(batch.get("temperature", 1.0))
+        batch's `temperature` (default 1). Every rank holds `batch`; collective over all ranks;
+        identical on every rank."""
+        temperature = check_batch(batch, ("input_ids", "attention_mask"))
         data = {"input_ids": batch["input_ids"].long(), "attention_mask": batch["attention_mask"].long()}
         for key in POSITION_KEYS:
             data[key] = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        spec, me = self.batch_spec, self.coords
+        rows_plan = plan([int(n) for n in data["attention_mask"].sum(-1)], spec)
+        mbs = local_microbatches(data, rows_plan, spec, me.dp_rank, me.cp_rank)
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
-        mbs = self._microbatches(data)
-        for mb, res in zip(mbs, self._forward_only(mbs)):
+        for mb, res in zip(mbs, self._forward_only(mbs, temperature)):
             keep = mb["row"] >= 0
             out[mb["row"][keep], mb["col"][keep]] = res["lp"].double().cpu()[keep]
-        return self._share_from_last_stage(out).float()
+        return self._share_from_last_stage(out.to(self.device)).float()
 
     def _share_from_last_stage(self, t: torch.Tensor, reduce_dp: bool = True) -> torch.Tensor:
-        """Sum over DP x CP on the last stage, then broadcast to the other pipeline stages."""
-        t = t.to(_device())
+        """Sum a device tensor over DP x CP on the last stage, broadcast it to the other stages; to host."""
         if self.parallel.is_last_stage and reduce_dp and dist.get_world_size(self.parallel.dp_cp_group) > 1:
             dist.all_reduce(t, group=self.parallel.dp_cp_group)
         if self.parallel.config.pp > 1:
@@ -236,41 +241,29 @@ class Actor:
         return t.cpu()
 
     # ------------------------------------------------------------------ training
-    def _prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Typed copies; loss only on real tokens after position 0 (it has no prediction)."""
-        out = {
-            "input_ids": batch["input_ids"].long(),
-            "attention_mask": batch["attention_mask"].long(),
-            "behavior_logprobs": batch["behavior_logprobs"].float(),
-            "advantages": batch["advantages"].float(),
-        }
-        mask = (batch["loss_mask"] > 0) & (out["attention_mask"] > 0)
-        mask[:, 0] = False
-        out["loss_mask"] = mask.float()
-        return out
+    def train_step(self, batch: Union[dict[str, Any], RankBatch], *,
+                   current_version: Optional[int] = None) -> dict[str, float]:
+        """`ppo_epochs` x `n_minibatches` BAPO optimizer steps on the global batch.
 
-    def train_step(self, batch: dict[str, Any], *, current_version: Optional[int] = None) -> dict[str, float]:
-        """`ppo_epochs` x `n_minibatches` BAPO optimizer steps on the global batch (same on every rank).
-
-        batch: CPU tensors `[B, T]`, right-padded and aligned to the token (value at [b, t] concerns
-        input_ids[b, t]): input_ids, attention_mask, loss_mask, behavior_logprobs, advantages and
-        optionally versions (policy version per token); plus `temperature` (float, default 1), the
-        sampling temperature the behavior log-probs were computed at.
+        batch: either the global batch, the same on every rank -- CPU tensors `[B, T]`, right-padded
+        and aligned to the token (value at [b, t] concerns input_ids[b, t]): input_ids,
+        attention_mask, loss_mask, behavior_logprobs, advantages and optionally versions (policy
+        version per token); plus `temperature` (float, default 1), the sampling temperature the
+        behavior log-probs were computed at -- or this rank's `RankBatch` from `scatter_batch`
+        (the trainer's path: rank 0 prepared it, with its `current_version`).
         Staleness (`staleness/*`) counts optimizer steps: a token of version v trained in the k-th
         optimizer step of this call is `(current_version - v) * steps_per_call + k` steps stale
         (`current_version` defaults to the newest version in the batch).
         Returns metrics averaged over the optimizer steps, identical on every rank.
         """
-        self._check_batch(batch)
-        self._temperature = float(batch.get("temperature", 1.0))
-        data = self._prepare(batch)
-        slices = batching.minibatch_slices(data["input_ids"].shape[0], self.config.n_minibatches)
-        schedule = [sl for _ in range(self.config.ppo_epochs) for sl in slices]
-        steps = [self._minibatch_step(data, sl) for sl in schedule]
+        if not isinstance(batch, RankBatch):
+            batch = PreparedBatch(batch, self.batch_spec, current_version).for_rank(self.coords)
+        self.phase_times = dict.fromkeys(self.phase_times, 0.0)
+        steps = [self._minibatch_step(batch.minibatches[i], batch.temperature) for i in batch.schedule]
         out = average_steps(steps)
         out["actor/num_optimizer_steps"] = float(len(steps))
         out["actor/skipped_steps_total"] = float(self.num_skipped_steps)
-        out.update(staleness_metrics(batch.get("versions"), data["loss_mask"], current_version, schedule))
+        out.update(batch.metrics)
         return out
 
     def _search_group(self):
@@ -283,8 +276,9 @@ class Actor:
         acc.add_search(res.c_low, res.c_high, res.rho_initial, res.rho, res.num_steps)
         return res
 
-    def _train_loss(self, bounds, acc: MetricSums, denominator: float, mb: dict, logits: torch.Tensor):
-        lp, ent = self._logprobs(mb, logits)
+    def _train_loss(self, bounds, acc: MetricSums, denominator: float, temperature: float, mb: dict,
+                    logits: torch.Tensor):
+        lp, ent = self._logprobs(mb, logits, temperature)
         dev = lp.device
         mask, beh, adv, weights = (mb[k].to(dev) for k in ("loss_mask", "behavior_logprobs", "advantages", "weights"))
         if bounds is None:  # search_scope "microbatch": one collective per micro-batch, same count on all ranks
@@ -313,59 +307,65 @@ class Actor:
         out.update({"actor/grad_norm": float("nan"), "actor/lr": float(self.optimizer.param_groups[0]["lr"])})
         return out
 
-    def _minibatch_step(self, data: dict[str, torch.Tensor], rows: slice) -> dict[str, float]:
-        mini = {k: v[rows] for k, v in data.items()}
-        keep = mini["loss_mask"] > 0
-        # Every rank holds the whole batch, so all ranks agree on skipping without a collective.
-        if not (torch.isfinite(mini["behavior_logprobs"][keep]).all() and torch.isfinite(mini["advantages"][keep]).all()):
+    def _minibatch_step(self, work: MiniBatchWork, temperature: float) -> dict[str, float]:
+        # The check ran on the whole mini-batch where the batch was prepared: every rank agrees.
+        if work.skip:
             self._skip("non-finite behavior log-probs or advantages on loss tokens")
             return self._skipped_metrics()
-        mini["weights"], denominator = aggregation_weights(mini["loss_mask"], self.config.loss_agg)
-        mini["weights"] = mini["weights"].float()
-        # megatron divides the summed gradient by the summed returned counts (the loss tokens, S).
-        denominator = denominator / max(float(keep.sum()), 1.0)
-        mbs = self._microbatches(mini)
-        acc = MetricSums()
+        mbs = work.microbatches
+        acc = MetricSums(self.device)
         bounds = None
+        t0 = time.perf_counter()
         if self.config.search_scope == "minibatch":
-            stored = self._forward_only(mbs)
+            stored = self._forward_only(mbs, temperature)
             if self.parallel.is_last_stage:
-                masks = [mb["loss_mask"] > 0 for mb in mbs]
-                lp = torch.cat([r["lp"].float().cpu()[k] for r, k in zip(stored, masks)])
-                beh = torch.cat([mb["behavior_logprobs"][k] for mb, k in zip(mbs, masks)])
-                adv = torch.cat([mb["advantages"][k] for mb, k in zip(mbs, masks)])
+                # Everything stays on the device: the search's one collective runs over the DP x CP
+                # group, a device (NCCL) group on GPUs (docs/parallelism.md).
+                dev = self.device
+                masks = [mb["loss_mask"].to(dev) > 0 for mb in mbs]
+                lp = torch.cat([r["lp"].float()[k] for r, k in zip(stored, masks)])
+                beh = torch.cat([mb["behavior_logprobs"].to(dev)[k] for mb, k in zip(mbs, masks)])
+                adv = torch.cat([mb["advantages"].to(dev)[k] for mb, k in zip(mbs, masks)])
                 res = self._search(lp, beh, adv, torch.ones_like(lp), acc)
                 bounds = (res.c_low, res.c_high)
+        t1 = time.perf_counter()  # the search's result is on the host: the pass has finished
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        stored = self._run(mbs, partial(self._train_loss, bounds, acc, denominator), forward_only=False)
+        stored = self._run(mbs, partial(self._train_loss, bounds, acc, work.denominator, temperature),
+                           forward_only=False)
         for stats in stored:
             acc.add_stats(stats)
         sums = self._share_from_last_stage(acc.sums)
         search = self._share_from_last_stage(acc.search, reduce_dp=False)
+        t2 = time.perf_counter()  # the loss sums are on the host: forward/backward has finished
         metrics = MetricSums.finalize(torch.cat([sums, search]))
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         grad_norm = self._grad_norm_or_skip(metrics["actor/loss"])
         if grad_norm is not None:
-            self.optimizer.step()
+            self._optimizer_step(grad_norm)
             self.scheduler.step(increment=1)
             self.num_updates += 1
         metrics["actor/grad_norm"] = float("nan") if grad_norm is None else grad_norm
+        for phase, seconds in (("search", t1 - t0), ("forward_backward", t2 - t1), ("optimizer", time.perf_counter() - t2)):
+            self.phase_times[phase] += seconds
         return metrics
 
     def _grad_norm_or_skip(self, loss: float) -> Optional[float]:
         """The global grad norm, or None (step skipped and counted) when it or the loss is not finite.
 
-        Every rank decides the same: the norm is reduced over the model-parallel group (and DP for
-        the distributed optimizer), DP replicas hold all-reduced gradients, and the flag is
-        all-reduced over all actor ranks anyway, so no rank steps while another skips.
+        These are the first two stages of megatron's `optimizer.step()` (`prepare_grads`, then
+        `get_grad_norm`: one all-reduce over the grad-stats group); `_optimizer_step` runs the rest,
+        so neither runs twice. Every rank decides the same: the norm is reduced over the
+        model-parallel group (and DP for the distributed optimizer), DP replicas hold all-reduced
+        gradients, and the flag is all-reduced over all actor ranks anyway, so no rank steps while
+        another skips.
         """
         found_inf = bool(self.optimizer.prepare_grads())
         norm = float(self.optimizer.get_grad_norm() or 0.0)
         flag = torch.tensor([0.0 if (not found_inf and math.isfinite(norm) and math.isfinite(loss)) else 1.0],
-                            device=_device())
+                            device=self.device)
         if dist.get_world_size(self.parallel.world_group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.parallel.world_group)
         if float(flag) == 0.0:
@@ -373,6 +373,20 @@ class Actor:
         self.optimizer.zero_grad()
         self._skip(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} (grad norm {norm})")
         return None
+
+    def _optimizer_step(self, grad_norm: float) -> None:
+        """The rest of megatron's `ChainedOptimizer.step()` (megatron/core/optimizer/optimizer.py):
+        clip every optimizer's gradients by the norm already computed, then `step_with_ready_grads`."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            params = opt.get_parameters()
+            if opt.config.clip_grad > 0.0 and params and not getattr(opt, "is_stub_optimizer", False):
+                clip_grad_by_total_norm_fp32(
+                    params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                    use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
+        self.optimizer.step_with_ready_grads()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory) -> "Path":

@@ -9,6 +9,8 @@ Atomic: everything is written to `<dir>.tmp`, then rank 0 renames it to `<dir>` 
 moved aside and deleted only after the rename), so a job killed mid-save leaves the previous
 checkpoint intact. Model and optimizer state reshard on load (save TP=2, load TP=1); RNG states are
 restored only when the layout is unchanged (they are per-rank streams), which exact resume needs.
+A checkpoint without Transformer Engine's `_extra_state` objects (converted offline, or saved by a
+local-spec actor) loads into a TE actor (`load_tolerating_extra_state`); nothing else may be absent.
 
 The distributed optimizer's state goes through `actor.distopt_state`: megatron-core 0.16.1 restores
 it inexactly with torch's Adam (CPU, no Apex/TE) -- every parameter ends up sharing one Adam `step`
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 META = "actor_meta.json"
+EXTRA_STATE = "_extra_state"
 
 
 def _fast_results_queue() -> None:
@@ -97,6 +100,44 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def load_tolerating_extra_state(sharded_state: dict, path: Path, *, log: bool = True) -> tuple[dict, set[str]]:
+    """`dist_checkpointing.load` that forgives exactly one mismatch: `_extra_state` objects this model
+    has and the checkpoint lacks. Returns `(state, the tolerated keys)`.
+
+    Transformer Engine modules carry an `_extra_state` object each (FP8 scaling state); a checkpoint
+    written with the local layer spec (`tools/convert_hf.py`, a CPU actor) has empty ones for the
+    linears (megatron's local linears save None) and none for the core attention, and megatron's
+    default strictness refuses to load it into a TE model ("Missing key in checkpoint state_dict:
+    ..._extra_state"). Those modules keep their initial extra state (what TE starts a run with); one
+    log line says so. Any other key absent from the checkpoint is an error naming it. The reverse
+    (a TE checkpoint into a local-spec model) needs nothing: unread checkpoint entries are allowed.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    # megatron calls a requested key that the checkpoint lacks "unexpected"; it drops it from the load.
+    state, _, absent = dist_checkpointing.load(sharded_state, str(path), strict=StrictHandling.RETURN_UNEXPECTED)
+    others = sorted(k for k in absent if not k.endswith(EXTRA_STATE))
+    if others:
+        raise KeyError(f"{path} lacks {len(others)} entries this actor needs, e.g. {others[:4]}: it was saved for a "
+                       "different model or optimizer (load converted weights with load_optimizer=False)")
+    if absent and log:
+        logger.info("%s lacks %d %s entries (%s) that this model's Transformer Engine modules have (saved with the "
+                    "local layer spec): those modules keep their initial state", path, len(absent), EXTRA_STATE,
+                    ", ".join(sorted(absent)[:3]))
+    return state, set(absent)
+
+
+def load_module_state(module: torch.nn.Module, state_dict: dict, *, tolerate_extra_state: bool) -> None:
+    """`module.load_state_dict`, strict except for the `_extra_state` entries `load_tolerating_extra_state`
+    left out."""
+    result = module.load_state_dict(state_dict, strict=False)
+    missing = [k for k in result.missing_keys if not (tolerate_extra_state and k.endswith(EXTRA_STATE))]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"loading {type(module).__name__}: missing {missing[:4]}, unexpected "
+                           f"{list(result.unexpected_keys)[:4]}")
+
+
 def save_checkpoint(actor: "Actor", directory: str | os.PathLike) -> Path:
     """Save everything needed to resume exactly; collective over all ranks. Returns the final path."""
     from megatron.core import dist_checkpointing
@@ -146,11 +187,11 @@ def load_checkpoint(actor: "Actor", directory: str | os.PathLike, *, load_optimi
             f"{path}: saved with distributed_optimizer={meta.get('distributed_optimizer')}, this actor uses "
             f"{actor.distributed_optimizer}; load with load_optimizer=False or match ActorConfig.use_distributed_optimizer"
         )
-    state = dist_checkpointing.load(
-        _sharded_state(actor, is_loading=True, with_optimizer=load_optimizer), str(path)
+    state, tolerated = load_tolerating_extra_state(
+        _sharded_state(actor, is_loading=True, with_optimizer=load_optimizer), path, log=actor.parallel.rank == 0
     )
     for i, m in enumerate(actor.model):
-        m.module.load_state_dict(state[_model_key(i, len(actor.model))], strict=True)
+        load_module_state(m.module, state[_model_key(i, len(actor.model))], tolerate_extra_state=bool(tolerated))
     if load_optimizer:
         distopt_state.load_state_dict(actor.optimizer, state["optimizer"])
         actor.scheduler.load_state_dict(state["scheduler"])

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_bapo.algorithms import BapoConfig
+from megatron_bapo.models.layer_spec import LAYER_SPECS
 from megatron_bapo.models.parallel import ParallelConfig
 
 SEARCH_SCOPES = ("minibatch", "microbatch")
@@ -92,6 +93,12 @@ class ActorConfig:
     """Vocabulary padding multiple (TP-independent; see models.registry)."""
     max_skipped_steps: int = 10
     """Non-finite loss/grad steps tolerated (each is skipped and counted) before raising."""
+    layer_spec: str = "auto"
+    """Transformer layer implementation: "te" (Transformer Engine: fused attention, THD packing, ring
+    context parallel; needs CUDA), "local" (megatron-core local modules with torch SDPA attention:
+    dense masks, all-gather context parallel; runs anywhere), or "auto" (TE when CUDA is present and
+    TE imports; TE installed but failing to import is an error with TE's message). The actor logs
+    which one runs."""
     recompute: str = "none"
     """Activation recomputation: "none"; "selective" (megatron's core-attention recompute); "full"
     (every layer, uniform, 1 layer per checkpoint: keeps only each layer's input, the planner's
@@ -126,6 +133,8 @@ class ActorConfig:
             raise ValueError(f"ActorConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"ActorConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+        if self.layer_spec not in LAYER_SPECS:
+            raise ValueError(f"ActorConfig.layer_spec must be one of {LAYER_SPECS}, got {self.layer_spec!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"ActorConfig.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.parallel.vpp and not self.packing:

@@ -99,13 +99,13 @@ def _shifted_rows(data: dict[str, torch.Tensor], rows: list[int], width: int) ->
     cols = torch.arange(width).unsqueeze(0)
     valid = cols + 1 < lengths.unsqueeze(1)  # position t predicts token t+1 of this sequence
     out = {
-        "input_ids": fit(ids, 0, 0) * (cols < lengths.unsqueeze(1)),
-        "labels": fit(ids, 1, 0) * valid,
+        "input_ids": torch.where(cols < lengths.unsqueeze(1), fit(ids, 0, 0), 0),
+        "labels": torch.where(valid, fit(ids, 1, 0), 0),
         "row": torch.where(valid, index.unsqueeze(1), torch.full_like(valid, -1, dtype=torch.long)),
         "col": torch.where(valid, cols + 1, torch.full_like(valid, -1, dtype=torch.long)),
     }
     for key in POSITION_KEYS:
-        out[key] = fit(data[key].index_select(0, index), 1, 0.0) * valid
+        out[key] = torch.where(valid, fit(data[key].index_select(0, index), 1, 0.0), 0.0)
     return out
 
 
@@ -125,18 +125,27 @@ def build_microbatch(data: dict[str, torch.Tensor], rows: list[int], layout: Mic
         keep = chunk_index(width, layout.cp_size, layout.cp_rank)
         return {k: v.index_select(1, keep).contiguous() for k, v in mb.items()}
     slots = layout.packed_lengths(lengths)
-    width = max(slots[:len(rows)])
-    rowwise = _shifted_rows(data, rows, width)
-    rowwise["position_ids"] = torch.arange(width).expand(len(rows), -1)
-    take = torch.arange(width).unsqueeze(0) < torch.tensor(slots[:len(rows)]).unsqueeze(1)
-    pack = {k: v[take] for k, v in rowwise.items()}  # row after row, each its slot long
-    if len(slots) > len(rows):  # the filler slot: predicts nothing
-        n = slots[-1]
-        for k, v in pack.items():
-            fill = torch.arange(n) if k == "position_ids" else v.new_full((n,), -1 if k in ("row", "col") else 0)
-            pack[k] = torch.cat([v, fill])
-    flat, _, _ = packed_index(slots, layout.cp_size, layout.cp_rank)
-    mb = {k: v.index_select(0, flat).unsqueeze(0).contiguous() for k, v in pack.items()}
+    # Gather this rank's tokens straight from the batch: token j of the pack sits at `position` of
+    # slot `segment` (a row of `rows`, or the trailing filler slot, which predicts nothing).
+    _, segment, position = packed_index(slots, layout.cp_size, layout.cp_rank)
+    num_rows, width = len(rows), data["input_ids"].shape[1]
+    real = segment < num_rows
+    seg = segment.clamp(max=num_rows - 1)
+    row = torch.tensor(rows, dtype=torch.long)[seg]
+    seq_len = torch.tensor(lengths, dtype=torch.long)[seg]
+    is_token = real & (position < seq_len)
+    valid = real & (position + 1 < seq_len)  # position t predicts token t+1 of its sequence
+    here, nxt = position.clamp(max=width - 1), (position + 1).clamp(max=width - 1)
+    mb = {
+        "input_ids": torch.where(is_token, data["input_ids"][row, here], 0),
+        "labels": torch.where(valid, data["input_ids"][row, nxt], 0),
+        "row": torch.where(valid, row, -1),
+        "col": torch.where(valid, position + 1, -1),
+        "position_ids": position,
+    }
+    for key in POSITION_KEYS:
+        mb[key] = torch.where(valid, data[key][row, nxt], 0.0)
+    mb = {k: v.unsqueeze(0).contiguous() for k, v in mb.items()}
     cu = torch.zeros(len(slots) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(slots, dtype=torch.int32).cumsum(0)
     mb["cu_seqlens"] = cu
@@ -167,6 +176,16 @@ def pad_packed_microbatch(mb: dict, local_length: int, layout: MicroBatchLayout)
     out["cu_seqlens"] = torch.cat([mb["cu_seqlens"], mb["cu_seqlens"][-1:] + slot])
     out["max_seqlen"] = max(int(mb["max_seqlen"]), slot)
     return out
+
+
+def local_position_ids(mb: dict, layout: MicroBatchLayout) -> torch.Tensor:
+    """The `position_ids` of a micro-batch rebuilt from its shape (and `cu_seqlens` when packed), so
+    they need not travel with it: positions restart per packed slot, chunked per CP rank."""
+    rows, width = mb["shape"]
+    if "cu_seqlens" in mb:
+        slots = (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()
+        return packed_index(slots, layout.cp_size, layout.cp_rank)[2].unsqueeze(0)
+    return chunk_index(width * layout.cp_size, layout.cp_size, layout.cp_rank).expand(rows, -1)
 
 
 def empty_like_microbatch(mb: dict) -> dict:

@@ -16,7 +16,8 @@ Gradients (per token, local vocab column j, p = softmax(l), l = logits / T, lse 
     d logp / d l_j = 1[j == target] - p_j
     d H    / d l_j = -p_j (l_j - lse + H)
 and d l_j / d logits_j = 1 / T. They need only global scalars (lse, H) that the forward already
-reduced: the backward has no communication.
+reduced: the backward has no communication. An output that no loss term uses (the entropy, when
+it is only a metric) adds nothing to the backward: its gradient arrives as None, not as zeros.
 
 Vocabulary padding: columns with global id >= `vocab_size` (the real HF vocabulary) are a suffix
 of the vocabulary, so each rank simply ignores the padded tail of its slice (no copy, no -inf):
@@ -93,6 +94,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             del x, ex
         ctx.save_for_backward(logits, targets, lse_all, ent if with_entropy else lse_all)
         ctx.meta = (vocab_start, width, chunk_size, with_entropy, temperature)
+        # An output the loss does not use gets None, not a materialised zero gradient: the actor
+        # reads the entropy as a metric only, and a zero `grad_ent` would still run its backward.
+        ctx.set_materialize_grads(False)
         if with_entropy:
             return logp, ent
         return logp, torch.zeros(0, dtype=torch.float32, device=logits.device)

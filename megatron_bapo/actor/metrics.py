@@ -30,19 +30,26 @@ def acc_keys() -> tuple[str, ...]:
 
 
 class MetricSums:
-    """Accumulates `SUM_KEYS` over micro-batches and `SEARCH_KEYS` over searches."""
+    """Accumulates `SUM_KEYS` over micro-batches and `SEARCH_KEYS` over searches, on `device`.
 
-    def __init__(self) -> None:
-        self.sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
-        self.search = torch.zeros(len(SEARCH_KEYS), dtype=torch.float64)
+    The loss statistics are device tensors; summing them where they are costs no host sync per
+    micro-batch (the actor brings the totals to the host once per optimizer step).
+    """
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.device = device if device is not None else torch.device("cpu")
+        self.sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=self.device)
+        self.search = torch.zeros(len(SEARCH_KEYS), dtype=torch.float64, device=self.device)
 
     def add_stats(self, stats: dict) -> None:
-        for i, k in enumerate(SUM_KEYS):
-            if k in stats:
-                self.sums[i] += float(stats[k])
+        present = [i for i, k in enumerate(SUM_KEYS) if k in stats]
+        values = torch.stack([torch.as_tensor(stats[SUM_KEYS[i]], dtype=torch.float64).to(self.device).reshape(())
+                              for i in present])
+        self.sums[present] += values
 
     def add_search(self, c_low: float, c_high: float, rho_before: float, rho_after: float, steps: int) -> None:
-        self.search += torch.tensor([c_low, c_high, rho_before, rho_after, steps, 1.0], dtype=torch.float64)
+        values = torch.tensor([c_low, c_high, rho_before, rho_after, steps, 1.0], dtype=torch.float64)
+        self.search += values.to(self.device)
 
     def vector(self) -> torch.Tensor:
         return torch.cat([self.sums, self.search])

@@ -7,7 +7,7 @@ sync. Every such evaluation is a function of two vectors over the bound grid onl
     P[k] = positive contribution with c_high = c_high_k      (k = 0..K)
     N[j] = negative contribution with c_low  = c_low_j       (j = 0..J)
 
-because positive tokens depend only on c_high and negative tokens only on c_low (design §4). So we
+because positive tokens depend only on c_high and negative tokens only on c_low (design section 4). So we
 bucketize each token's ratio into the grid once, scatter-add its contribution into a bin, turn the
 bins into P and N with a prefix/suffix sum, all-reduce the concatenated vector once (float64, so
 every rank holds bit-identical sums) and walk the search path on the host. Every rank then takes
@@ -68,7 +68,7 @@ def bound_grid(start: float, stop: float, step: float, *, clamp_to_stop: bool) -
 
 
 def balance_metric(pos: float, neg: float, metric: str) -> float:
-    """Positive-contribution balance from the sums P and N (design §4).
+    """Positive-contribution balance from the sums P and N (design section 4).
 
     share   = P / (P + N), 1 when P + N == 0 (nothing to balance: the search does not move)
     printed = P / |P - N|, the paper's denominator read literally; inf when P == N > 0, 1 when both are 0
@@ -325,7 +325,9 @@ def search_clip_bounds(
         config: search space, contribution definition, weights, metric, order.
         rollout_logprobs: behavior log-probs, required when `config.weight == "rollout_prob"`.
         group: process group holding the rest of the mini-batch (data-parallel x context-parallel);
-            None means this process holds all of it. Exactly one all-reduce is issued over it.
+            None means this process holds all of it. Exactly one all-reduce is issued over it, on
+            the device its backend carries (`reduction_device`): the sums cost nothing to move
+            (a few hundred floats), so the inputs may live on the host or the device with any group.
 
     Returns the decision, bit-identical on every rank of `group`.
     Raises ValueError (on every rank alike) when any masked-in input is NaN or inf.
@@ -348,6 +350,7 @@ def search_clip_bounds(
 
     vec = contribution_vectors(ratio, advantages, mask, config, high_grid, low_grid, rollout_logprobs)
     if group is not None:
+        vec = vec.to(reduction_device(group, vec.device))
         torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM, group=group)
     sums = vec.cpu().tolist()  # the only host sync
     num_k, num_j = high_grid.numel(), low_grid.numel()
@@ -373,6 +376,21 @@ def search_clip_bounds(
         num_pos_tokens=num_pos,
         num_neg_tokens=num_neg,
     )
+
+
+def reduction_device(group: "torch.distributed.ProcessGroup", device: torch.device) -> torch.device:
+    """Where a tensor must be for a collective over `group`, preferring `device` when it will do.
+
+    NCCL carries only CUDA tensors (megatron's default-backend groups on GPUs); a gloo group gets
+    host tensors (gloo can reduce CUDA tensors too, but through host staging, and the result is
+    wanted on the host anyway).
+    """
+    backend = str(torch.distributed.get_backend(group))
+    if "gloo" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend and device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _walk(p_vec: list[float], n_vec: list[float], config: BapoConfig) -> tuple[int, int, int]:

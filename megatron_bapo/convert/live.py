@@ -180,6 +180,7 @@ def iter_hf_tensors(
     tp_group, _, tp_size = _tp(tp_group)
     pp_group = pp_group if pp_group is not None else current_groups().pp_group
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    device = next(unwrap(model_chunks[0]).parameters()).device  # receive buffers: where the weights live
 
     local: dict[Key, tuple[TensorRule, torch.nn.Parameter]] = {}
     meta: dict[Key, tuple[list[int], torch.dtype]] = {}
@@ -223,8 +224,7 @@ def iter_hf_tensors(
             if owner != pp_rank and (gather_to == "all" or (pp_rank == 0)):
                 full_shape, dt = meta[key]
                 shapes = [t.shape for t in full_to_hf(rule, torch.empty(full_shape, device="meta"), info)]
-                dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-                tensors = [torch.empty(s, dtype=dt, device=dev) for s in shapes]
+                tensors = [torch.empty(s, dtype=dt, device=device) for s in shapes]
             src = dist.get_global_rank(pp_group, owner)
             for t in tensors or []:
                 if gather_to == "all":

@@ -7,10 +7,30 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bapo.models.layer_spec import get_block_spec
+from megatron_bapo.models.layer_spec import get_block_spec, resolve_layer_spec
 from megatron_bapo.models.registry import model_args_from_hf
 
 logger = logging.getLogger(__name__)
+
+
+def gpu_fusions(use_te: bool) -> dict[str, bool]:
+    """The kernel fusions this CUDA machine can run; the registry's config keeps them all off (CPU).
+
+    - bias-activation (SwiGLU) and bias-dropout-add: megatron's `jit_fuser` kernels, CUDA only;
+    - RoPE: Transformer Engine's fused rotary kernels (megatron checks for them at config time);
+    - gradient accumulation into `main_grad` inside the weight-gradient GEMM: Apex's
+      `fused_weight_gradient_mlp_cuda` extension (megatron's own linear layers, the output layer
+      included, refuse the flag without it, even under the TE spec).
+    Masked-softmax fusion belongs to megatron's local `DotProductAttention`, which neither spec uses.
+    """
+    from megatron.core.tensor_parallel import layers
+
+    fusions = {"bias_activation_fusion": True, "bias_dropout_fusion": True}
+    if use_te:
+        fusions["apply_rope_fusion"] = True
+    if layers._grad_accum_fusion_available:
+        fusions["gradient_accumulation_fusion"] = True
+    return fusions
 
 
 def transformer_config_from_hf(
@@ -77,15 +97,17 @@ def build_gpt_model(
     """One `GPTModel` chunk for this rank (parallel_state must be initialised).
 
     pre_process/post_process default to "this rank holds the first/last pipeline stage" (for
-    `vp_stage` when interleaving). The model outputs vocab-parallel logits `[b, s, vocab/TP]` when
+    `vp_stage` when interleaving). With CUDA, the fusions of `gpu_fusions` are on (an explicit
+    `config_overrides` entry wins). The model outputs vocab-parallel logits `[b, s, vocab/TP]` when
     called without labels. Attributes `hf_vocab_size` and `padded_vocab_size` are attached.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    config, args = transformer_config_from_hf(
-        hf_config, dtype=dtype, vocab_divisible_by=vocab_divisible_by, **(config_overrides or {})
-    )
+    if use_te is None:
+        use_te = resolve_layer_spec("auto").use_te
+    overrides = {**(gpu_fusions(use_te) if torch.cuda.is_available() else {}), **(config_overrides or {})}
+    config, args = transformer_config_from_hf(hf_config, dtype=dtype, vocab_divisible_by=vocab_divisible_by, **overrides)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:

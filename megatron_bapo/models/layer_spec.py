@@ -1,5 +1,12 @@
 """Transformer layer spec: Transformer Engine on GPUs, megatron-core local modules + SDPA elsewhere.
 
+Which one runs is `ActorConfig.layer_spec` ("auto" | "te" | "local"), resolved once per process by
+`resolve_layer_spec`: "auto" takes TE when CUDA is present and `transformer_engine.pytorch`
+imports; TE that is absent gives the local spec (and the actor's log line says so); TE that is
+installed but fails to import (a CUDA/driver mismatch, a missing library) is an error showing TE's
+own message, never a silent fallback to the local attention (dense masks, all-gather CP), which
+would run out of memory at 64k tokens without saying why.
+
 megatron-core's local `DotProductAttention` allocates its score buffer on CUDA, so the local spec's
 core attention is `SdpaAttention` (`models.cpu_attention`: padded, packed and context-parallel
 inputs over `torch.nn.functional.scaled_dot_product_attention`).
@@ -21,6 +28,7 @@ TP group when `config.qk_layernorm` is set, with or without sequence parallelism
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -30,13 +38,81 @@ from megatron_bapo.models.cpu_attention import sdpa_attention_class
 logger = logging.getLogger(__name__)
 
 
-def have_transformer_engine() -> bool:
-    """True when a real Transformer Engine (not the empty PyPI meta-package) is importable."""
+LAYER_SPECS = ("auto", "te", "local")
+_ABSENT = ("transformer_engine", "transformer_engine.pytorch")
+
+
+def transformer_engine_absence() -> Optional[str]:
+    """None when Transformer Engine's PyTorch API imports; why not, when TE is simply not installed.
+
+    Raises ImportError carrying TE's own message when TE is installed but fails to import (only
+    the packages themselves being absent counts as "not installed"; the empty PyPI meta-package
+    has no `transformer_engine.pytorch`).
+    """
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+    except ModuleNotFoundError as exc:
+        if exc.name in _ABSENT:
+            return f"Transformer Engine is not installed (no module {exc.name!r})"
+        raise ImportError(f"Transformer Engine is installed but does not import: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - whatever TE raised is the message the user needs
+        raise ImportError(f"Transformer Engine is installed but does not import: {type(exc).__name__}: {exc}") from exc
+    return None
+
+
+def have_transformer_engine() -> bool:
+    """True when a real Transformer Engine (not the empty PyPI meta-package) imports."""
+    try:
+        return transformer_engine_absence() is None
+    except ImportError:
         return False
-    return True
+
+
+@dataclass(frozen=True)
+class LayerSpecChoice:
+    """The resolved `ActorConfig.layer_spec`."""
+
+    use_te: bool
+    reason: str
+    """Why this spec (for the actor's log line)."""
+
+
+def resolve_layer_spec(choice: str = "auto", *, cuda: Optional[bool] = None) -> LayerSpecChoice:
+    """`ActorConfig.layer_spec` for this machine (`cuda` defaults to `torch.cuda.is_available()`).
+
+    Raises ValueError naming the field when "te" cannot run, or when TE is installed but broken.
+    """
+    if choice not in LAYER_SPECS:
+        raise ValueError(f"ActorConfig.layer_spec must be one of {LAYER_SPECS}, got {choice!r}")
+    if choice == "local":
+        return LayerSpecChoice(False, "actor.layer_spec=local")
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        if choice == "te":
+            raise ValueError("ActorConfig.layer_spec='te' needs CUDA (torch.cuda.is_available() is False); "
+                             "use 'auto' or 'local'")
+        return LayerSpecChoice(False, "no CUDA")
+    try:
+        absent = transformer_engine_absence()
+    except ImportError as exc:
+        raise ValueError(f"ActorConfig.layer_spec={choice!r}: {exc}; fix the Transformer Engine install (it must "
+                         "match this torch and CUDA) or set actor.layer_spec=local") from exc
+    if absent is None:
+        return LayerSpecChoice(True, "Transformer Engine imports")
+    if choice == "te":
+        raise ValueError(f"ActorConfig.layer_spec='te': {absent}; install it or set actor.layer_spec=local")
+    return LayerSpecChoice(False, absent)
+
+
+def describe_attention(config, use_te: bool) -> str:
+    """The attention and context-parallel implementation a model built with this spec runs."""
+    if use_te:
+        attention = "TEDotProductAttention (fused kernels, THD packing)"
+        cp = (f"Transformer Engine context parallel (cp_comm_type={config.cp_comm_type})"
+              if config.context_parallel_size > 1 else "no context parallel")
+    else:
+        attention = "SdpaAttention (torch SDPA; packed sequences bucketed per length, dense masks under CP)"
+        cp = ("all-gather of K/V over the CP group" if config.context_parallel_size > 1 else "no context parallel")
+    return f"attention {attention}, {cp}"
 
 
 class SpTorchNorm:
@@ -78,8 +154,8 @@ def spec_options(config) -> dict[str, Any]:
 def get_layer_spec(*, use_te: Optional[bool] = None, qk_layernorm: bool = False):
     """The GPT transformer-layer spec for this machine.
 
-    use_te: None picks TE when CUDA and TE are both present; True requires them (error otherwise);
-    False forces the local spec with SDPA attention (works everywhere).
+    use_te: None resolves `layer_spec="auto"` (`resolve_layer_spec`); True requires CUDA and TE
+    (error otherwise); False forces the local spec with SDPA attention (works everywhere).
     qk_layernorm: RMSNorm each query and key head before RoPE (Qwen3); pass `**spec_options(config)`.
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -87,12 +163,10 @@ def get_layer_spec(*, use_te: Optional[bool] = None, qk_layernorm: bool = False)
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    te_ok = torch.cuda.is_available() and have_transformer_engine()
     if use_te is None:
-        use_te = te_ok
+        use_te = resolve_layer_spec("auto").use_te
     if use_te:
-        if not te_ok:
-            raise ValueError("get_layer_spec(use_te=True) needs CUDA and Transformer Engine installed")
+        resolve_layer_spec("te")  # raises unless CUDA and TE are both usable
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     attention = spec.submodules.self_attention.submodules
