@@ -2,7 +2,7 @@
 
 Real trainer runs (`python -m megatron_bapo.train`, as a user runs it) talk to a built-in server
 through a recording proxy; `tools/sglang_conformance.py` then checks each recorded request, in
-`.venv-sglang` (the `sglang` version `pins.env` names, installed by `tools/install.sh`), against
+`.venv-sglang` (the `sglang` version `pins.env` names, installed by `tools/install.sh --with-sglang`, which the test command runs), against
 SGLang's route table, its `/generate` contract gate, `GenerateReqInput`, `SamplingParams(...)` with
 `.normalize()` + `.verify()`, the io_struct request class of every control endpoint, and the
 version's protocol rules (updates inside a begin/end session, no flush while paused in place, seeds
@@ -55,7 +55,7 @@ def recorded(tmp_path_factory, tiny_hf_dir):
     from megatron_bapo.server.launch import start_server
 
     if not SGLANG_PYTHON.exists():
-        pytest.fail(f"{SGLANG_PYTHON} is missing: run bash tools/install.sh")
+        pytest.fail(f"{SGLANG_PYTHON} is missing: run bash tools/install.sh --with-sglang")
     root = tmp_path_factory.mktemp("conformance")
     assets = (write_assets(root), tiny_hf_dir)
     out = {}
