@@ -212,7 +212,8 @@ class Driver:
 
 class Follower:
     """Holds the driver's place on actor ranks above 0: no servers, no data, no metrics. It answers
-    the loop's calls so the loop reads the same on every rank (its slice of the batch comes from rank 0, `actor.scatter`)."""
+    the loop's calls so the loop reads the same on every rank (its slice of the batch comes from
+    rank 0 through `actor.scatter`)."""
 
     leads = False
 
