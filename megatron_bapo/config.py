@@ -244,7 +244,8 @@ class RunConfig:
             raise ConfigError(
                 f"trainer.max_steps_without_update={limit} would stop a healthy run: a {ro.max_response_tokens}-token "
                 f"response takes {ro.num_segments} steps (segments of {ro.segment_budget} tokens), so the first "
-                f"{ro.num_segments - 1} steps of a run make no update; use >= {ro.num_segments}, null (derived) or 0 (never)")
+                f"{ro.num_segments - 1} steps of a run make no update; use >= {ro.num_segments}, null (derived) "
+                f"or 0 (never)")
 
 
     def steps_without_update_limit(self) -> int:

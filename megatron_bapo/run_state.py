@@ -276,8 +276,9 @@ def out_of_space(path: Path, exc: BaseException) -> Optional[OSError]:
     free = shutil.disk_usage(probe).free
     if free >= LOW_SPACE_BYTES or isinstance(exc, (KeyboardInterrupt, SystemExit)):
         return None
+    said = str(exc).strip().splitlines()[-1][-100:] if str(exc).strip() else ""
     return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free} bytes free while writing; "
-                                 f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][-100:] if str(exc) else ''})")
+                                 f"{type(exc).__name__}: {said})")
 
 
 def save_failure(ckpt_dir: Path, exc: BaseException, *, kept: Optional[Path]) -> Optional[CheckpointError]:

@@ -36,7 +36,8 @@ def test_the_field_reaches_the_trainers_watchdog():
 @pytest.mark.parametrize("value, needle", [("-1", "must be >= 0"), ("1", "use >= 2")])
 def test_limits_that_would_stop_a_healthy_run_are_refused(value, needle):
     with pytest.raises(ConfigError, match=f"trainer.max_steps_without_update.*{needle}"):
-        _config(f"trainer.max_steps_without_update={value}", "rollout.max_response_tokens=6", "rollout.segment_tokens=3")
+        _config(f"trainer.max_steps_without_update={value}", "rollout.max_response_tokens=6",
+                "rollout.segment_tokens=3")
 
 
 def test_stops_after_the_limit_naming_the_last_reasons():

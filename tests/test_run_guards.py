@@ -232,7 +232,8 @@ def test_a_run_whose_servers_stay_on_an_old_version_stops_with_the_reason(assets
         if path == "/generate":
             meta = reply["meta_info"]
             meta["weight_version"] = "0"
-            meta["weight_versions"] = [{"version": "0", "start": 0, "end": len(meta.get("output_token_logprobs") or [])}]
+            n = len(meta.get("output_token_logprobs") or [])
+            meta["weight_versions"] = [{"version": "0", "start": 0, "end": n}]
         return reply
 
     server = start_server(tiny_hf_dir, log_path=tmp_path / "server.log")
