@@ -65,6 +65,12 @@ class TrainerConfig:
     log_level: str = "INFO"
     """Level of `<output_dir>/logs/train.log` (rank 0's full log: DEBUG, INFO, WARNING or ERROR);
     the console shows warnings and errors, the progress bar and the `console_every` lines."""
+    max_steps_without_update: Optional[int] = None
+    """The run stops (`progress error:`, exit 2, naming the last steps' reasons: stale groups
+    regenerated, no group finished, groups filtered or failed) after this many consecutive steps
+    without an optimizer update, instead of exiting 0 having trained nothing. null: derived from
+    the config, `2 x (rollout segments per response + async_steps) + 2` (`RunConfig.
+    steps_without_update_limit`, which argues why a healthy run never reaches it); 0: never stop."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -77,6 +83,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.console_every must be >= 0, got {self.console_every}")
         if self.async_steps < 0:
             raise ConfigError(f"trainer.async_steps must be >= 0, got {self.async_steps}")
+        if self.max_steps_without_update is not None and self.max_steps_without_update < 0:
+            raise ConfigError(f"trainer.max_steps_without_update must be >= 0 or null, got {self.max_steps_without_update}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"trainer.log_level must be DEBUG/INFO/WARNING/ERROR, got {self.log_level!r}")
 
@@ -230,6 +238,31 @@ class RunConfig:
                 f"{ro.num_segments} segment(s) of {ro.segment_budget} tokens (one per step) and rollout runs "
                 f"trainer.async_steps={self.trainer.async_steps} step(s) ahead, so its first tokens are {lag} versions "
                 f"old when it is trained; raise rollout.max_staleness, rollout.segment_tokens or lower trainer.async_steps")
+        # A fresh run makes no update before its first responses are complete (num_segments - 1 steps).
+        limit = self.trainer.max_steps_without_update
+        if limit and limit < ro.num_segments:
+            raise ConfigError(
+                f"trainer.max_steps_without_update={limit} would stop a healthy run: a {ro.max_response_tokens}-token "
+                f"response takes {ro.num_segments} steps (segments of {ro.segment_budget} tokens), so the first "
+                f"{ro.num_segments - 1} steps of a run make no update; use >= {ro.num_segments}, null (derived) "
+                f"or 0 (never)")
+
+
+    def steps_without_update_limit(self) -> int:
+        """Consecutive steps without an optimizer update after which the run stops (0: never).
+
+        The default never fires on a healthy run: during steps without an update there is no weight
+        sync, so no pause cuts a segment short and no version changes. Every buffered sample then
+        advances one full segment per round and finishes within `num_segments` rounds; a group is
+        regenerated for staleness at most once, when the stretch begins (its tokens cannot age while
+        the version stands still), and the `async_steps` rounds produced ahead were made before it.
+        So a healthy run has at most `num_segments + async_steps + 1` such steps in a row (a fresh run
+        `num_segments - 1` at its start, before any response is complete); the default is twice that.
+        """
+        explicit = self.trainer.max_steps_without_update
+        if explicit is not None:
+            return explicit
+        return 2 * (self.rollout.num_segments + self.trainer.async_steps) + 2
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

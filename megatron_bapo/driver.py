@@ -4,7 +4,7 @@ The actor ranks (`megatron_bapo.trainer`) only train and sync weights; everythin
 the rollout servers or the disk on behalf of the whole job lives here, on global rank 0:
 
     driver = Driver(config, output_dir)
-    driver.start(saved_state, step=.., version=..)   # server pool + client, dataset, rollout producer, writers
+    driver.start(saved_state, step=.., version=.., ...)  # resume checks, servers + client, data, rollout, writers
     driver.start_rollout()                    # once the servers hold the weights to sample from
     batch, metrics = driver.next_batch(step, version)   # a finished round -> rewards -> actor batch
     with driver.weight_update(version) as sink:         # delivery (sync.delivery): pause, session, flush
@@ -30,15 +30,18 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from megatron_bapo import run_state
+from megatron_bapo import run_record
 from megatron_bapo.config import RunConfig
 from megatron_bapo.config_io import ConfigError
 from megatron_bapo.experience import build_experience
+from megatron_bapo.logs import CONSOLE
 from megatron_bapo.metrics import MetricsWriter
+from megatron_bapo.run_state import CheckpointError
 from megatron_bapo.rollout.pool import ServerPool, required_server_flags
 from megatron_bapo.sync.delivery import NullDelivery, WeightDelivery
 
 logger = logging.getLogger(__name__)
+console = logging.getLogger(CONSOLE)
 
 
 class Driver:
@@ -56,10 +59,14 @@ class Driver:
         self.client: Any = None
         self.producer: Any = None
         self.writer: Optional[MetricsWriter] = None
+        self.record: dict[str, Any] = {}
+        """What this run's checkpoints record about it (`run_record`), saved as trainer.json's "run"."""
 
     # ------------------------------------------------------------------ setup / teardown
-    def start(self, state: dict[str, Any], *, step: int, version: int) -> None:
-        """Start the servers and the client; restore data, rollout buffer and rounds from `state`."""
+    def start(self, state: dict[str, Any], *, step: int, version: int, hf_config: Any, world_size: int,
+              checkpoint: Optional[Path] = None) -> None:
+        """Start the servers and the client; restore data, rollout buffer and rounds from `state`
+        (the trainer state of `checkpoint`), after checking that this config can resume it."""
         from transformers import AutoTokenizer
 
         from megatron_bapo.data import PromptDataset
@@ -68,12 +75,17 @@ class Driver:
 
         cfg, ro = self.config, self.config.rollout
         self._preflight()
+        # What this run's checkpoints record, and (resuming) what they recorded: refused before the servers start.
+        self.record = run_record.describe(cfg, hf_config, world_size=world_size)
+        if state:
+            for note in run_record.check_resume(state.get("run"), self.record, checkpoint or "the checkpoint"):
+                console.info("resume: %s", note)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
         flags = required_server_flags(deterministic_inference=ro.deterministic_inference, pause_mode=cfg.sync.pause_mode)
         self.pool = ServerPool(ro, model_path=cfg.model.hf_path, seed=cfg.trainer.seed,
                                log_dir=self.output_dir / "logs", state_path=self.output_dir / "servers.json",
-                               server_flags=tuple(flags))
+                               server_flags=tuple(flags), weight_version=version, vocab_size=int(hf_config.vocab_size))
         self.client = self.pool.start()
         self.delivery = WeightDelivery(cfg.sync, self.pool, deterministic_inference=ro.deterministic_inference)
         self._check_context()
@@ -82,9 +94,12 @@ class Driver:
         self.producer = RolloutProducer(self.client, manager, lambda: self.dataset.next_batch(ro.prompts_per_step),
                                         ahead=cfg.trainer.async_steps, version=version)
         if state:
-            self.dataset.load_state_dict(state["data"])
-            manager.load_state_dict(state["rollout"])
-            self.producer.load_state_dict(state.get("rounds", {}))
+            try:
+                self.dataset.load_state_dict(state["data"])
+                manager.load_state_dict(state["rollout"])
+                self.producer.load_state_dict(state.get("rounds", {}))
+            except (ValueError, KeyError, TypeError) as exc:  # a checkpoint written before run records
+                raise CheckpointError(f"cannot resume from {checkpoint}: {exc}. {run_record.WAY_OUT}") from exc
         # Resumed: drop the steps after the checkpoint (they are redone). Started over in a used
         # directory: drop the earlier run's metrics, as its samples.jsonl is, or curves would mix.
         self.writer = MetricsWriter(self.output_dir / "tb", purge_step=step + 1 if state else 0)
@@ -121,6 +136,20 @@ class Driver:
                     f"data.max_prompt_tokens={self.config.data.max_prompt_tokens}) = {prompt + ro.max_response_tokens} "
                     f"exceeds the context length {ctx} of server {url}: every request would be rejected. Lower "
                     f"rollout.max_response_tokens or data.max_prompt_tokens, or serve a longer context")
+
+    def servers_hold_other_weights(self, version: int) -> bool:
+        """Whether a server reports a weight version other than `version` (a fresh run's 0) before
+        the run synced anything: an external server another run updated. Its weights are not this
+        run's, so the trainer syncs them first (else the run would sample another policy, and its
+        replies would carry versions this run never published)."""
+        from megatron_bapo.rollout.protocol import parse_version
+
+        reported = self.client.run(self.client.aget_weight_versions())
+        foreign = {url: v for url, v in reported.items() if parse_version(v) not in (None, version)}
+        if foreign:
+            logger.info("servers %s report weight versions %s from an earlier run: syncing version %d first",
+                        ", ".join(foreign), ", ".join(sorted(set(foreign.values()))), version)
+        return bool(foreign)
 
     def start_rollout(self) -> None:
         """Start producing rounds (after the servers hold the weights to sample from)."""
@@ -205,7 +234,8 @@ class Driver:
         self.producer.pause()
         try:
             return {"step": step, "version": version, "data": self.dataset.state_dict(),
-                    "rollout": self.producer.manager.state_dict(), "rounds": self.producer.state_dict()}
+                    "rollout": self.producer.manager.state_dict(), "rounds": self.producer.state_dict(),
+                    "run": self.record}
         finally:
             self.producer.resume()
 

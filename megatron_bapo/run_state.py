@@ -27,6 +27,7 @@ and once per resume; files are hashed in parallel threads (hashlib releases the 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -257,6 +258,79 @@ def load_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
     state.pop(FORMAT_KEY, None)
     _set_rng_state(state.pop("rng"))
     return state
+
+
+LOW_SPACE_BYTES = 16 << 20
+"""A save that fails with less than this free on its filesystem ran out of space (`out_of_space`):
+torch's writers report a full disk in their own words ("unexpected pos 704 vs 598", "basic_ios::clear:
+iostream error"), without the errno."""
+
+
+def out_of_space(path: Path, exc: BaseException) -> Optional[OSError]:
+    """ENOSPC (an OSError naming `path` and the bytes free) when `exc` happened while writing under
+    `path` with less than `LOW_SPACE_BYTES` free there; None otherwise. Measure before removing the
+    partial save: afterwards the space is free again."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free >= LOW_SPACE_BYTES or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return None
+    said = str(exc).strip().splitlines()[-1][-100:] if str(exc).strip() else ""
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free} bytes free while writing; "
+                                 f"{type(exc).__name__}: {said})")
+
+
+def save_failure(ckpt_dir: Path, exc: BaseException, *, kept: Optional[Path]) -> Optional[CheckpointError]:
+    """The one-line error of a save that failed writing files (a full disk, a quota), after removing
+    what the save wrote (`ckpt_dir` never became a complete checkpoint); None when `exc` is not such
+    a failure (a bug: the caller re-raises it). `kept`: the newest complete checkpoint, which the
+    failure did not touch and `--resume` continues from."""
+    cause = write_failure_of(exc)
+    if cause is None:
+        return None
+    ckpt_dir = Path(ckpt_dir)
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    probe = ckpt_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    what = (f"the newest complete checkpoint {kept} is kept, and --resume continues from it" if kept is not None
+            else "this run has no complete checkpoint yet (--resume takes the newest complete one in "
+                 f"{ckpt_dir.parent}, or starts from model.hf_path)")
+    return CheckpointError(f"saving checkpoint {ckpt_dir} failed: {cause}; {free} bytes ({free / 2**20:.1f} MiB) are "
+                           f"free there after removing the partial save; {what}. Free disk space (or lower "
+                           f"trainer.keep_checkpoints) and rerun with --resume")
+
+
+_TORCH_WRITE_FAILURES = ("unexpected pos", "iostream error", "PytorchStreamWriter failed writing")
+"""How torch's file writers word a failed write (a full disk, a quota), without the errno."""
+
+
+def write_failure_of(exc: BaseException) -> Optional[str]:
+    """What failed to be written behind `exc`, or None when it is no write failure. Looks through
+    causes, contexts and the per-rank failures torch's distributed checkpoint collects, for an
+    OSError (ENOSPC, EDQUOT, ...) or one of torch's own words for a failed write."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return str(e)
+        text = str(e).strip()
+        marker = next((m for m in _TORCH_WRITE_FAILURES if m in text), None)
+        if marker is not None:
+            line = text[text.find(marker):].splitlines()[0][:80]
+            return f"torch's file writer failed ({line})"
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):  # rank -> exception, or (exception, traceback)
+            for f in failures.values():
+                todo += [x for x in (f if isinstance(f, tuple) else (f,)) if isinstance(x, BaseException)]
+    return None
 
 
 def prune_checkpoints(output_dir: str | Path, keep: int) -> None:

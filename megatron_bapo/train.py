@@ -74,18 +74,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor",
                             category=UserWarning)
     from megatron_bapo.experience import RewardFailure
+    from megatron_bapo.progress import NoProgressError
     from megatron_bapo.rewards import RewardSpecError
     from megatron_bapo.rollout.errors import RolloutError
     from megatron_bapo.run_state import CheckpointError
-    from megatron_bapo.trainer import Trainer
+    from megatron_bapo.trainer import Terminated, Trainer
 
     # Errors that name their fix are one line (the traceback in the log file at DEBUG); anything else
     # is a bug and keeps its traceback.
     kinds = {ConfigError: "config error", RewardSpecError: "config error", CheckpointError: "checkpoint error",
-             RewardFailure: "reward error", RolloutError: "rollout error"}
+             RewardFailure: "reward error", RolloutError: "rollout error", NoProgressError: "progress error"}
     started = time.monotonic()
     try:
         history = Trainer(config).run()
+    except Terminated as exc:  # SIGTERM: one line, the conventional exit code 143
+        if rank == 0:
+            log.info(exc.message)
+            print(exc.message, file=sys.stderr)
+        return int(exc.code)
     except tuple(kinds) as exc:
         if rank == 0:
             kind = next(v for k, v in kinds.items() if isinstance(exc, k))
@@ -104,8 +110,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         n = min(10, len(rewards) // 2)
         reward = (f", reward (mean of {n} steps) {sum(rewards[:n]) / n:.3f} -> {sum(rewards[-n:]) / n:.3f}"
                   if n else "")
-        logging.getLogger(logs.CONSOLE).info("done: steps %d-%d in %.0f s%s", first["step"], last["step"],
-                                             time.monotonic() - started, reward)
+        updated = sum(1 for h in history if h.get("train/updated"))
+        logging.getLogger(logs.CONSOLE).info("done: steps %d-%d in %.0f s, %d of %d steps updated the policy%s",
+                                             first["step"], last["step"], time.monotonic() - started, updated,
+                                             len(history), reward)
     return 0
 
 

@@ -5,7 +5,9 @@
         batch   = scatter(batch)                     # each actor rank gets its own DP/CP slice
         metrics = actor.train_step(batch)            # ppo_epochs x n_minibatches BAPO optimizer steps
         sync_weights(version)                        # export (every rank) -> delivery (rank 0's servers)
-        log(metrics); maybe evaluate; maybe checkpoint
+        log(metrics); maybe evaluate
+        watchdog.observe(step, metrics)              # no update in trainer.max_steps_without_update steps: stop
+        maybe checkpoint
 
 Rank 0 also holds the `Driver` (`megatron_bapo.driver`): the server pool and the rollout client,
 data, the rollout producer (which with `trainer.async_steps` = k keeps k rounds ahead of training),
@@ -33,10 +35,20 @@ from megatron_bapo.config import RunConfig, dump_run_config
 from megatron_bapo.config_io import ConfigError
 from megatron_bapo.logs import CONSOLE
 from megatron_bapo.models.parallel import init_distributed_env
+from megatron_bapo.progress import ProgressWatchdog, why_no_update
 
 logger = logging.getLogger(__name__)
 # Rank 0's console lines (megatron_bapo.logs): the compact step line, eval results, resume.
 console = logging.getLogger(CONSOLE)
+
+
+class Terminated(SystemExit):
+    """SIGTERM: the process exits with `code` (128 + the signal) after rank 0 prints `message`, one
+    line naming the step and where `--resume` continues."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(code)
+        self.message = message
 
 
 class Trainer:
@@ -50,6 +62,9 @@ class Trainer:
         self.driver: Any = None
         self.export: Any = None
         self._since_line: list[dict[str, float]] = []  # metrics of the steps since the last console line
+        self.watchdog = ProgressWatchdog(config.steps_without_update_limit())
+        self.checkpoint: Optional[Path] = None
+        """The newest complete checkpoint (resumed from or saved): where `--resume` would continue."""
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[dict[str, float]]:
@@ -63,6 +78,7 @@ class Trainer:
                 if self.driver.leads:
                     self._report(metrics, progress)
                     history.append({"step": self.step, **metrics})
+                self.watchdog.observe(self.step, metrics)  # same decision on every rank
                 if self.step == cfg.total_steps or (cfg.save_every and self.step % cfg.save_every == 0):
                     self.save_checkpoint()
             if progress is not None:
@@ -74,18 +90,20 @@ class Trainer:
         batch, metrics = self.driver.next_batch(self.step + 1, self.version)
         batch = self._scatter(batch)
         t0 = time.monotonic()
+        updated = False  # an optimizer step that was not skipped (progress.ProgressWatchdog)
         if batch is None:
             metrics["actor/skipped_empty_batch"] = 1.0
             if self.driver.leads:  # rank 0 has the rollout metrics and says why
-                if not metrics.get("experience/num_groups") and metrics.get("rollout/buffer_groups", 0) > 0:
-                    # Partial rollout: every response is longer than this step generated; normal early on.
-                    logger.info("step %d: no group finished yet (%d continue next step); no update", self.step + 1,
-                                metrics["rollout/buffer_groups"])
-                else:
-                    logger.warning("step %d: no usable groups (all filtered); skipping the update", self.step + 1)
+                why = why_no_update(metrics)
+                # Partial rollout: no response complete yet is normal early on; anything else is worth a warning.
+                (logger.info if why.startswith("no group finished") else logger.warning)(
+                    "step %d: no update: %s", self.step + 1, why or "no usable group")
         else:
+            skipped = self.actor.num_skipped_steps
             metrics.update(self.actor.train_step(batch, current_version=self.version))
             metrics["throughput/train_tokens_per_s"] = batch.num_tokens / max(time.monotonic() - t0, 1e-9)
+            updated = self.actor.num_skipped_steps - skipped < metrics["actor/num_optimizer_steps"]
+        metrics["train/updated"] = float(updated)
         t1 = time.monotonic()
         if batch is not None:  # unchanged weights need no new version
             self.version += 1
@@ -109,7 +127,12 @@ class Trainer:
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_term(signum, frame):
-            raise SystemExit(128 + signum)
+            total = self.config.trainer.total_steps
+            where = (f"the newest checkpoint, {self.checkpoint.name} ({self.checkpoint})" if self.checkpoint is not None
+                     else f"the newest complete checkpoint in {self.output_dir / 'checkpoints'} (this run saved none "
+                          f"yet), or from model.hf_path if there is none")
+            raise Terminated(f"stopped by SIGTERM during step {min(self.step + 1, total)} of {total}; --resume "
+                             f"continues from {where}", 128 + signum)
 
         signal.signal(signal.SIGTERM, on_term)
         self.driver = Follower()
@@ -147,21 +170,25 @@ class Trainer:
         if resume_from is not None:
             state = run_state.load_trainer_state(resume_from)
             self.step, self.version = int(state["step"]), int(state["version"])
+            self.checkpoint = resume_from
             console.info("resuming from %s (step %d of %d)", resume_from, self.step, cfg.trainer.total_steps)
-        error = None
+        error, foreign = None, False
         if groups.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_run_config(cfg), encoding="utf-8")
             self.driver = Driver(cfg, self.output_dir)
-            try:
-                self.driver.start(state, step=self.step, version=self.version)
+            try:  # resume checks (run_record) first: a checkpoint this config cannot resume is refused here
+                self.driver.start(state, step=self.step, version=self.version, hf_config=self.hf_config,
+                                  world_size=groups.world_size, checkpoint=resume_from)
+                foreign = resume_from is None and self.driver.servers_hold_other_weights(self.version)
             except Exception as exc:  # every rank must learn of it, or the others wait forever
                 error = exc
-        failed = self._broadcast(None if error is None else (type(error).__name__, str(error)))
+        failed, foreign = self._broadcast((None if error is None else (type(error).__name__, str(error)), foreign))
         if error is not None:
             raise error
         if failed is not None:
-            raise ConfigError(f"rank 0 could not start the run: {failed[0]}: {failed[1]}")
+            kind = run_state.CheckpointError if failed[0] == "CheckpointError" else ConfigError
+            raise kind(f"rank 0 could not start the run: {failed[0]}: {failed[1]}")
         self.actor = Actor(cfg.actor, self.hf_config, groups=groups)
         self.export = make_export(cfg.sync, self.actor, self.hf_config, self.output_dir, tokenizer_src=hf_path)
         if resume_from is not None:
@@ -172,6 +199,8 @@ class Trainer:
             load_hf_into_model(self.actor.model, hf_path, hf_config=self.hf_config)
             if hasattr(self.actor.optimizer, "reload_model_params"):
                 self.actor.optimizer.reload_model_params()  # optimizers with separate fp32 main params
+            if foreign:  # external servers still serving another run's weights: give them this run's
+                self.sync_weights(self.version)
         if self.driver.leads:
             if cfg.trainer.eval_at_start and self.step == 0 and cfg.eval.every_n_steps and cfg.eval.datasets:
                 metrics = self.driver.evaluate(0)
@@ -200,13 +229,31 @@ class Trainer:
             self.export.run(version, sink)
 
     def save_checkpoint(self) -> None:
+        """Actor (every rank), then rank 0's trainer state and manifest. A filesystem error (a full
+        disk) removes the partial save and stops the run with one line naming the path, the bytes
+        free and the checkpoint that is kept (`run_state.save_failure`)."""
         ckpt = run_state.checkpoint_dir(self.output_dir, self.step)
-        self.actor.save_checkpoint(ckpt / "actor")
+        try:
+            self.actor.save_checkpoint(ckpt / "actor")
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
+            error = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else \
+                run_state.save_failure(ckpt, exc, kept=self.checkpoint)
+            if error is None:
+                raise
+            raise error from exc
+        failed = None
         if self.driver.leads:
-            run_state.save_trainer_state(ckpt, self.driver.state_dict(self.step, self.version))
-            run_state.prune_checkpoints(self.output_dir, self.config.trainer.keep_checkpoints)
-            logger.info("checkpoint %s", ckpt)
-        dist.barrier(group=self.cpu_group)
+            try:
+                run_state.save_trainer_state(ckpt, self.driver.state_dict(self.step, self.version))
+            except OSError as exc:
+                failed = str(run_state.save_failure(ckpt, exc, kept=self.checkpoint))
+            else:
+                run_state.prune_checkpoints(self.output_dir, self.config.trainer.keep_checkpoints)
+                logger.info("checkpoint %s", ckpt)
+        failed = self._broadcast(failed)  # every rank stops, or none
+        if failed is not None:
+            raise run_state.CheckpointError(failed)
+        self.checkpoint = ckpt
 
     def _progress(self):
         cfg = self.config.trainer

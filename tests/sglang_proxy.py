@@ -1,6 +1,9 @@
 """A recording HTTP proxy for the SGLang conformance test: sits between the trainer and one
 built-in server on loopback, forwards every request unchanged and records it (method, path, query,
-JSON body, status, and the reply of control calls) in the order the server received them."""
+JSON body, status, and the reply of control calls) in the order the server received them.
+
+With `rewrite`, it also stands for a server that answers impossibly (the reply-check tests):
+`rewrite(path, request_body, reply_body)` returns the JSON reply to send instead of a 200 reply."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import asyncio
 import json
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import aiohttp
 from aiohttp import web
@@ -17,8 +20,9 @@ from aiohttp import web
 class RecordingProxy:
     """`with RecordingProxy(upstream_url, records_path) as proxy:` ... point the client at `proxy.url`."""
 
-    def __init__(self, upstream: str, records: Path) -> None:
-        self.upstream, self.records = upstream.rstrip("/"), records
+    def __init__(self, upstream: str, records: Optional[Path] = None,
+                 rewrite: Optional[Callable[[str, Any, Any], Any]] = None) -> None:
+        self.upstream, self.records, self.rewrite = upstream.rstrip("/"), records, rewrite
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="recording-proxy", daemon=True)
@@ -33,14 +37,18 @@ class RecordingProxy:
         except ValueError:
             body = {"__unparsable__": raw[:200].decode(errors="replace")}
         rec = {"method": request.method, "path": request.path, "query": dict(request.query), "body": body}
-        with self._lock:  # the order the requests reached the server in
-            with open(self.records, "a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
+        if self.records is not None:
+            with self._lock:  # the order the requests reached the server in
+                with open(self.records, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(rec) + "\n")
         async with self._session.request(request.method, self.upstream + request.path_qs, data=raw,
                                          headers={k: v for k, v in request.headers.items()
                                                   if k.lower() in ("content-type", "authorization")}) as resp:
             data = await resp.read()
-            if request.path in ("/server_info", "/get_server_info") and resp.status == 200:
+            if self.rewrite is not None and resp.status == 200 and resp.content_type == "application/json":
+                with self._lock:
+                    data = json.dumps(self.rewrite(request.path, body, json.loads(data))).encode()
+            if self.records is not None and request.path in ("/server_info", "/get_server_info") and resp.status == 200:
                 with self._lock, open(self.records, "a", encoding="utf-8") as f:
                     f.write(json.dumps({"method": "GET", "path": request.path, "query": {}, "body": None,
                                         "reply": json.loads(data), "replay": True}) + "\n")

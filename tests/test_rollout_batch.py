@@ -60,11 +60,42 @@ def test_reply_parsing_follows_the_spec():
                             "weight_version": "default"}}
     r = parse_generate_reply(queued, rid="r", url="u")
     assert r.output_ids == [] and r.finish_type == "abort"
-    with pytest.raises(ProtocolError, match="without log-probs"):
+    with pytest.raises(ProtocolError, match="without meta_info.output_token_logprobs"):
         parse_generate_reply({"output_ids": [5], "meta_info": {"finish_reason": {"type": "length"}}}, rid="r", url="u")
     with pytest.raises(ProtocolError, match="finish_reason"):
         parse_generate_reply({"meta_info": {"finish_reason": {"type": "weird"}}}, rid="r", url="u")
     assert parse_version("7") == 7 and parse_version("default") is None
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda m: m["output_token_logprobs"][1].__setitem__(0, 5.0), r"output_token_logprobs\[1\] log-prob 5.0"),
+    (lambda m: m["output_token_logprobs"][0].__setitem__(0, float("nan")), r"output_token_logprobs\[0\] log-prob nan"),
+    (lambda m: m["output_token_logprobs"][0].__setitem__(0, float("inf")), r"output_token_logprobs\[0\] log-prob inf"),
+    (lambda m: m["output_token_logprobs"][0].__setitem__(0, "x"), r"output_token_logprobs\[0\] log-prob 'x' is not"),
+    (lambda m: m["output_token_logprobs"].extend([[-1.0, 7, None]] * 3), r"5 tokens, more than the max_new_tokens=4"),
+    (lambda m: m["output_token_logprobs"][1].__setitem__(1, 64), r"token id 64 is outside the vocabulary \[0, 64\)"),
+    (lambda m: m["output_token_logprobs"][1].__setitem__(1, -1), r"token id -1 is outside the vocabulary"),
+    (lambda m: m.__setitem__("weight_version", "13"), r"weight_version 13 is newer than the newest version .* \(12\)"),
+    (lambda m: m.__setitem__("weight_versions", [{"version": "14", "start": 1, "end": 2}]), r"weight_version 14"),
+])
+def test_impossible_replies_are_refused_naming_the_server_and_field(change, field):
+    """What a reply must satisfy before it can become a sample: log-probs <= 0 (or -inf), no more tokens
+    than asked, ids inside the vocabulary, no version above the newest published one."""
+    meta = {"finish_reason": {"type": "length"}, "weight_version": "12",
+            "output_token_logprobs": [[-0.5, 5, None], [-0.25, 9, None]]}
+    limits = {"max_new_tokens": 4, "vocab_size": 64, "max_version": 12}
+    good = parse_generate_reply({"meta_info": meta}, rid="r", url="http://s:1", **limits)
+    assert good.output_ids == [5, 9] and good.versions == [12, 12]
+    change(meta)
+    with pytest.raises(ProtocolError, match=field) as err:
+        parse_generate_reply({"meta_info": meta}, rid="r", url="http://s:1", **limits)
+    assert str(err.value).startswith("http://s:1/generate reply")
+
+
+def test_minus_infinity_and_float_noise_are_log_probs():
+    meta = {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[float("-inf"), 5, None], [1e-6, 1, None]]}
+    r = parse_generate_reply({"meta_info": meta}, rid="r", url="u", max_new_tokens=2, vocab_size=64, max_version=0)
+    assert r.logprobs == [float("-inf"), 1e-6] and r.versions == [None, None]
 
 
 def test_configs_validate_and_name_the_field():

@@ -133,9 +133,11 @@ def test_sigkill_mid_step_then_resume_loses_and_duplicates_nothing(assets, tmp_p
 def test_async_rollout_runs_ahead_within_the_staleness_cap(assets, tmp_path):
     """trainer.async_steps=1: rounds are produced one step ahead (the trainer finds them ready), no
     trained token is more than rollout.max_staleness versions old, and some are older than the
-    update that trains them (off-policy, as intended)."""
+    update that trains them (off-policy, as intended). The progress watchdog at the tightest limit
+    the config accepts (2: a response takes 2 steps) does not stop this healthy partial + async run;
+    its derived default (2 x (2 + 1) + 2 = 8) is four times that."""
     out = tmp_path / "run"
-    config = run_config(assets, out, total_steps=5, save_every=0, async_steps=1)
+    config = run_config(assets, out, total_steps=5, save_every=0, async_steps=1, max_steps_without_update=2)
     proc = start_train(config, assets)
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log[-4000:]
@@ -147,3 +149,4 @@ def test_async_rollout_runs_ahead_within_the_staleness_cap(assets, tmp_path):
     assert all(r["staleness/version_lag_max"] <= cap for r in trained)
     assert max(r["staleness/version_lag_max"] for r in trained) >= 1
     assert all("timing/rollout_wait_s" in r for r in records)
+    assert [r["train/updated"] for r in records] == [0.0, 1.0, 1.0, 1.0, 1.0]

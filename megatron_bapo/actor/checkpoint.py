@@ -7,7 +7,7 @@ Layout of a checkpoint directory:
 
 Atomic: everything is written to `<dir>.tmp`, then rank 0 renames it to `<dir>` (an older `<dir>` is
 moved aside and deleted only after the rename), so a job killed mid-save leaves the previous
-checkpoint intact. Model and optimizer state reshard on load (save TP=2, load TP=1); RNG states are
+checkpoint intact; a save that fails (a full disk) removes `<dir>.tmp` before raising. Model and optimizer state reshard on load (save TP=2, load TP=1); RNG states are
 restored only when the layout is unchanged (they are per-rank streams), which exact resume needs.
 A checkpoint without Transformer Engine's `_extra_state` objects (converted offline, or saved by a
 local-spec actor) loads into a TE actor (`load_tolerating_extra_state`); nothing else may be absent.
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bapo.actor import distopt_state
-from megatron_bapo.run_state import replace_dir
+from megatron_bapo.run_state import out_of_space, replace_dir
 
 if TYPE_CHECKING:
     from megatron_bapo.actor.actor import Actor
@@ -151,19 +151,28 @@ def save_checkpoint(actor: "Actor", directory: str | os.PathLike) -> Path:
         tmp.mkdir(parents=True)
     dist.barrier(group=actor.parallel.world_group)
     _fast_results_queue()
-    # Into an empty directory: megatron-core warns "Overwriting old incomplete / corrupted
-    # checkpoint..." for a non-empty one, so the RNG files are written after it.
-    dist_checkpointing.save(_sharded_state(actor, is_loading=False, with_optimizer=True), str(tmp))
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    dist.barrier(group=actor.parallel.world_group)
-    if rank == 0:
-        meta = {
-            "layout": _layout(actor), "world_size": actor.parallel.world_size, "num_updates": actor.num_updates,
-            "num_skipped_steps": actor.num_skipped_steps, "distributed_optimizer": actor.distributed_optimizer,
-        }
-        (tmp / META).write_text(json.dumps(meta, indent=2))
-        replace_dir(tmp, final)
+    try:
+        # Into an empty directory: megatron-core warns "Overwriting old incomplete / corrupted
+        # checkpoint..." for a non-empty one, so the RNG files are written after it.
+        dist_checkpointing.save(_sharded_state(actor, is_loading=False, with_optimizer=True), str(tmp))
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+        dist.barrier(group=actor.parallel.world_group)
+        if rank == 0:
+            meta = {
+                "layout": _layout(actor), "world_size": actor.parallel.world_size, "num_updates": actor.num_updates,
+                "num_skipped_steps": actor.num_skipped_steps, "distributed_optimizer": actor.distributed_optimizer,
+            }
+            (tmp / META).write_text(json.dumps(meta, indent=2))
+            replace_dir(tmp, final)
+    except BaseException as exc:
+        # A failed save (a full disk, a signal) leaves no partial directory behind; `final` is untouched.
+        # torch reports a full disk in its own words: name it (ENOSPC) while the space is still used.
+        full = out_of_space(tmp, exc)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from exc
+        raise
     dist.barrier(group=actor.parallel.world_group)
     logger.info("actor checkpoint saved to %s (%d updates)", final, actor.num_updates)
     return final

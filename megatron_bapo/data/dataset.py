@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from megatron_bapo.config_io import ConfigError
 from megatron_bapo.data.config import DatasetConfig
 from megatron_bapo.rollout.types import Prompt
 
@@ -36,15 +37,22 @@ class PromptDataset:
         self.num_rows = 0
         self.num_bad_rows = 0
         self.num_too_long = 0
+        self._bad_reasons: list[tuple[int, str]] = []
         for i, row in enumerate(read_rows(config.path, max_rows=config.max_rows)):
             self.num_rows += 1
             prompt = self._to_prompt(i, row)
             if prompt is not None:
                 self.prompts.append(prompt)
         if not self.prompts:
-            raise ValueError(f"DatasetConfig.path {config.path!r}: no usable prompt among {self.num_rows} rows "
-                             f"({self.num_bad_rows} bad, {self.num_too_long} over max_prompt_tokens="
-                             f"{config.max_prompt_tokens})")
+            # One line, not a warning per row first: nothing in this file can be trained on.
+            first = (f"; the first bad row: row {self._bad_reasons[0][0]}: {self._bad_reasons[0][1]}"
+                     if self._bad_reasons else "")
+            raise ConfigError(f"data.path={config.path!r} has no usable prompt among {self.num_rows} rows "
+                              f"({self.num_bad_rows} bad, {self.num_too_long} over data.max_prompt_tokens="
+                              f"{config.max_prompt_tokens}){first}; check data.prompt_key={config.prompt_key!r}, "
+                              f"data.answer_key={config.answer_key!r} and the file's format")
+        for index, reason in self._bad_reasons:  # a usable file: each bad row is one warning
+            logger.warning("%s row %d skipped: %s", config.path, index, reason)
         if self.num_bad_rows or self.num_too_long:
             logger.warning("%s: kept %d of %d rows (%d bad, %d over max_prompt_tokens=%s)", config.path,
                            len(self.prompts), self.num_rows, self.num_bad_rows, self.num_too_long,
@@ -77,7 +85,7 @@ class PromptDataset:
 
     def _bad(self, index: int, reason: str) -> None:
         self.num_bad_rows += 1
-        logger.warning("%s row %d skipped: %s", self.config.path, index, reason)
+        self._bad_reasons.append((index, reason))
         return None
 
     def encode(self, prompt: Any) -> list[int]:

@@ -8,7 +8,8 @@ Why this shape:
 - All requests go out at once up to `max_concurrency` (one semaphore over the pool) and each
   goes to the healthy server with the fewest requests in flight, so a slow server or a slow
   request never holds back the others.
-- A request that fails (connection error, timeout, 5xx, malformed reply) is retried with
+- A request that fails (connection error, timeout, 5xx, a reply that fails the checks of
+  `protocol.parse_generate_reply`: impossible log-probs, token counts, ids or versions) is retried with
   exponential backoff on another server; the failing server gets no new work for
   `unhealthy_cooldown_s`. A 4xx is the request's own fault and is not retried.
 - The trainer is synchronous: `run(coro)` executes coroutines on one background event loop, and
@@ -77,10 +78,16 @@ class RolloutClient(ControlMixin):
     Use as a context manager or call `close()`; `async` users in their own loop call `aclose()`.
     """
 
-    def __init__(self, config: RolloutClientConfig) -> None:
+    def __init__(self, config: RolloutClientConfig, *, vocab_size: Optional[int] = None,
+                 weight_version: Optional[int] = None) -> None:
+        """`vocab_size`: the served model's vocabulary (token ids at or above it are refused);
+        `weight_version`: the version the trainer has published so far (replies claiming a later
+        one are refused; raised by every weight update sent through this client). None: unchecked."""
         if not config.urls and not config.router_url:
             raise ValueError("RolloutClient needs server URLs (rollout.client.urls) or a router (rollout.client.router_url)")
         self.config = config
+        self.vocab_size = vocab_size
+        self.max_weight_version = weight_version
         self.api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
         self._per_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple]" = weakref.WeakKeyDictionary()
         self._background: Optional[_LoopThread] = None
@@ -90,7 +97,8 @@ class RolloutClient(ControlMixin):
         self._abort_epoch = 0
         self._workers: Optional[list[str]] = list(config.urls) or None
         self.stats: dict[str, int] = {"num_requests": 0, "num_retries": 0, "num_rejected": 0,
-                                      "num_aborted_before_send": 0}
+                                      "num_aborted_before_send": 0, "num_bad_replies": 0}
+        """`num_bad_replies`: 200 replies refused by `protocol.parse_generate_reply` (retried elsewhere)."""
 
     # ------------------------------------------------------------------ plumbing
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
@@ -218,8 +226,9 @@ class RolloutClient(ControlMixin):
                     if isinstance(exc, asyncio.TimeoutError):
                         asyncio.ensure_future(self._abort_quietly(url, rid))
         down = [u for u in self.config.urls if self._unhealthy_until[u] > time.monotonic()]
+        detail = str(last_error) if isinstance(last_error, ProtocolError) else repr(last_error)
         raise RolloutError(f"/generate failed after {self.config.max_retries + 1} attempts, the last on {last_url}: "
-                           f"{last_error!r}; servers failing now: {down or [last_url]}")
+                           f"{detail}; servers failing now: {down or [last_url]}")
 
     async def _post_generate(self, session: aiohttp.ClientSession, url: str, rid: str, payload: dict) -> GenerateResult:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
@@ -232,10 +241,16 @@ class RolloutClient(ControlMixin):
                 text = await resp.text()
                 if resp.status == 200:
                     try:
-                        body = await resp.json(content_type=None)
-                    except ValueError as exc:
-                        raise ProtocolError(f"{url}/generate replied 200 with non-JSON {text[:200]!r}") from exc
-                    return parse_generate_reply(body, rid=rid, url=url)
+                        try:
+                            body = await resp.json(content_type=None)
+                        except ValueError as exc:
+                            raise ProtocolError(f"{url}/generate replied 200 with non-JSON {text[:200]!r}") from exc
+                        return parse_generate_reply(body, rid=rid, url=url, vocab_size=self.vocab_size,
+                                                    max_new_tokens=payload["sampling_params"].get("max_new_tokens"),
+                                                    max_version=self.max_weight_version)
+                    except ProtocolError:
+                        self.stats["num_bad_replies"] += 1
+                        raise
                 if 400 <= resp.status < 500 and resp.status not in _RETRYABLE_4XX:
                     raise RequestRejected(resp.status, f"{url}/generate rejected the request ({resp.status}): {text[:500]}")
                 raise ProtocolError(f"{url}/generate returned {resp.status}: {text[:300]}")

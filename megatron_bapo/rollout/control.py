@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class ControlMixin:
-    """Needs `config`, `_session()`, `run()`, `_backoff()`, `_abort_epoch`, `_rid_url`, `_workers`."""
+    """Needs `config`, `_session()`, `run()`, `_backoff()`, `_abort_epoch`, `_rid_url`, `_workers`,
+    `max_weight_version`."""
 
     # ------------------------------------------------------------------ one request, one policy
     async def _request(self, method: str, url: str, path: str, body: Optional[dict] = None,
@@ -160,6 +161,7 @@ class ControlMixin:
         """
         body = {"model_path": str(model_path), "weight_version": str(int(weight_version)),
                 "abort_all_requests": abort_all_requests, "flush_cache": bool(flush_cache)}
+        self._published(int(weight_version))
 
         async def one(url: str) -> Any:
             if only is not None and url not in only:
@@ -207,6 +209,8 @@ class ControlMixin:
     async def aupdate_weights_from_distributed(self, body: dict, timeout: Optional[float] = None) -> None:
         """`/update_weights_from_distributed` to every worker (inside a begin/end session); each
         returns once it received the bucket, which the caller broadcasts meanwhile."""
+        if body.get("weight_version") is not None and parse_version(body["weight_version"]) is not None:
+            self._published(parse_version(body["weight_version"]))
         await self._each_or_raise("update_weights_from_distributed", lambda u: self._expect_success(
             u, "/update_weights_from_distributed", body, retry=False, timeout=timeout))
 
@@ -226,6 +230,11 @@ class ControlMixin:
         if len(distinct) != 1:
             raise RolloutError(f"workers disagree on weight_version: {versions}")
         return parse_version(distinct.pop())
+
+    def _published(self, version: int) -> None:
+        """Replies may report `version` from now on (raised before the update is sent: an in-place
+        update's first tokens can come back before its call returns)."""
+        self.max_weight_version = max(version, self.max_weight_version or 0)
 
     # ------------------------------------------------------------------ pause, health
     async def apause_generation(self, mode: Optional[str] = None) -> None:

@@ -36,7 +36,7 @@ from megatron_bapo.rollout.types import GenerateResult, Prompt, RolloutGroup, Sa
 logger = logging.getLogger(__name__)
 STATE_FORMAT = 1
 _COUNTERS = ("num_groups_started", "num_groups_finished", "num_groups_failed", "num_segments",
-             "num_regenerated", "num_aborted_segments", "num_tokens_generated")
+             "num_regenerated", "num_aborted_segments", "num_tokens_generated", "num_bad_replies")
 
 
 class PartialRolloutManager:
@@ -73,6 +73,7 @@ class PartialRolloutManager:
         """
         started = time.monotonic()
         step = {k: 0 for k in _COUNTERS}
+        bad_replies = self.client.stats.get("num_bad_replies", 0)
         for p in prompts:
             if not p.prompt_ids:
                 raise ValueError(f"prompt {p.index} has no token ids")
@@ -122,14 +123,17 @@ class PartialRolloutManager:
         if errors:
             finished = []
         step["num_groups_finished"], step["num_groups_failed"] = len(finished), len(failed)
+        # Replies refused by the client's checks (and retried) while this step ran.
+        step["num_bad_replies"] = self.client.stats.get("num_bad_replies", 0) - bad_replies
         for k, v in step.items():
             self.totals[k] += v
         self.last_metrics = self._metrics(step, finished, time.monotonic() - started)
         if errors:
             if any(isinstance(e, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)) for e in errors):
                 raise errors[0]
+            first = str(errors[0]) if isinstance(errors[0], RolloutError) else repr(errors[0])
             raise RolloutError(f"{len(errors)} rollout segment(s) failed on every server; every group stays "
-                               f"buffered for the next step: {errors[0]!r}") from errors[0]
+                               f"buffered for the next step: {first}") from errors[0]
         return finished
 
     def _too_stale(self, s: Sample, version: int) -> bool:

@@ -44,8 +44,12 @@ class ServerPool:
     """Owns the rollout servers of a run and its client (global rank 0)."""
 
     def __init__(self, rollout: Any, *, model_path: str, seed: int, log_dir: Path, state_path: Path,
-                 server_flags: tuple[str, ...] = ()) -> None:
+                 server_flags: tuple[str, ...] = (), vocab_size: Optional[int] = None,
+                 weight_version: Optional[int] = None) -> None:
+        """`vocab_size` and `weight_version` (the trainer's version at start) bound what the client
+        accepts in replies (`protocol.parse_generate_reply`)."""
         self.rollout = rollout
+        self.vocab_size, self.weight_version = vocab_size, weight_version
         self.model_path = model_path
         self.seed = seed
         self.log_dir = log_dir
@@ -58,6 +62,8 @@ class ServerPool:
         """Servers restarted so far in total: a weight group built before a restart lacks the new one."""
         self.latest_disk_weights: Optional[tuple[str, int]] = None
         """The newest HF directory every server loaded, and its version (a restarted server loads it)."""
+        self.version = 0
+        """The version every server serves (0: `model_path` as started); set by each delivered update."""
         self.client: Optional[RolloutClient] = None
 
     # ------------------------------------------------------------------ start / stop
@@ -69,7 +75,7 @@ class ServerPool:
             self._write_servers()
             client_cfg = dataclasses.replace(client_cfg, urls=[s.url for s in self.servers])
             logger.info("built-in rollout servers: %s", ", ".join(client_cfg.urls))
-        self.client = RolloutClient(client_cfg)
+        self.client = RolloutClient(client_cfg, vocab_size=self.vocab_size, weight_version=self.weight_version)
         self.client.wait_healthy()
         return self.client
 
@@ -104,10 +110,12 @@ class ServerPool:
     def any_dead(self) -> bool:
         return any(not s.alive() for s in self.servers)
 
-    def ensure_alive(self) -> list[str]:
+    def ensure_alive(self, *, updating: bool = False) -> list[str]:
         """Restart (on the same port) every built-in server whose process died, at most
-        `rollout.max_server_restarts` times each, and load the newest delivered weights into it.
-        Returns the URLs restarted; raises RolloutError naming a server out of restarts."""
+        `rollout.max_server_restarts` times each, and bring it to the version the others serve.
+        `updating`: the caller is about to deliver a new version to every server (a distributed sync
+        then needs no copy of the current one). Returns the URLs restarted; raises RolloutError naming
+        a server out of restarts, or one that cannot be given the current version."""
         restarted = []
         for i, server in enumerate(self.servers):
             if server.alive():
@@ -124,8 +132,32 @@ class ServerPool:
         if restarted:
             self.num_restarted += len(restarted)
             self._write_servers()
-            if self.latest_disk_weights is not None:  # disk sync: serve the newest weights at once
-                path, version = self.latest_disk_weights
-                self.client.update_weights_from_disk(path, version, only=restarted)
+            self._give_current_version(restarted, updating=updating)
             self.client.wait_healthy()
         return restarted
+
+    def _give_current_version(self, restarted: list[str], *, updating: bool) -> None:
+        """A restarted server starts from `model_path` as version 0; bring it to `self.version` (the
+        disk sync's newest directory) or stop: serving the base model as a later version's stand-in
+        would label every token with a stale version (regenerated forever) or train on the wrong policy."""
+        if self.version == 0:
+            return
+        if self.latest_disk_weights is None or self.latest_disk_weights[1] != self.version:
+            if updating:  # the update about to run gives every server the next version
+                return
+            raise RolloutError(
+                f"built-in server(s) {', '.join(restarted)} restarted, but version {self.version} exists on no disk "
+                f"(sync.method=distributed sends weights only during a sync), so they would serve {self.model_path} "
+                f"as version 0; rerun with --resume (the resume's first sync gives every server the checkpoint's "
+                f"weights) or use sync.method=disk")
+        path, version = self.latest_disk_weights
+        if not Path(path).is_dir():
+            raise RolloutError(f"built-in server(s) {', '.join(restarted)} restarted, but version {version}'s "
+                               f"weights {path} are gone, so they would serve {self.model_path} as version 0; "
+                               f"rerun with --resume (the resume's first sync rewrites them)")
+        try:
+            self.client.update_weights_from_disk(path, version, only=restarted)
+        except RolloutError as exc:
+            raise RolloutError(f"built-in server(s) {', '.join(restarted)} restarted but could not load version "
+                               f"{version} from {path}: {exc}") from exc
+        logger.info("restarted server(s) %s now serve version %d (%s)", ", ".join(restarted), version, path)

@@ -121,7 +121,11 @@ class RolloutProducer:
                 self.requested -= 1  # not handed over: asking again after a restart is the same request
                 raise self._error
             done = self.ready.pop(0)
-        done.groups = self._drop_stale(done.groups, version)
+        kept = self._drop_stale(done.groups, version)
+        regenerated = sum(len(g.samples) for g in done.groups if all(g is not k for k in kept))
+        if regenerated:  # the step that trains this round reports them with the round's own
+            done.metrics["rollout/num_regenerated"] = done.metrics.get("rollout/num_regenerated", 0.0) + regenerated
+        done.groups = kept
         return done, time.monotonic() - started
 
     def next(self, version: int) -> tuple[RolloutRound, float]:

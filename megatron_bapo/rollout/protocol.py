@@ -1,4 +1,4 @@
-"""Parsing SGLang `/generate` replies into `GenerateResult` (spec section 2)."""
+"""Parsing and checking SGLang `/generate` replies into `GenerateResult` (spec section 2)."""
 
 from __future__ import annotations
 
@@ -23,50 +23,81 @@ def parse_version(value: Any) -> Optional[int]:
         return None
 
 
-def parse_generate_reply(body: Any, *, rid: str, url: str) -> GenerateResult:
-    """Ids and behavior log-probs from `meta_info.output_token_logprobs` (`[logprob, id, text]`).
+LOGPROB_SLACK = 1e-4
+"""A log-probability is <= 0; values up to this above 0 are float noise of a log-softmax, not a bug."""
 
-    `output_ids`, when present, must agree with the log-prob ids. The version of each token is
+
+def parse_generate_reply(body: Any, *, rid: str, url: str, max_new_tokens: Optional[int] = None,
+                         vocab_size: Optional[int] = None, max_version: Optional[int] = None) -> GenerateResult:
+    """Ids and behavior log-probs from `meta_info.output_token_logprobs` (`[logprob, id, text]`),
+    checked before they can become a sample: the one place a reply enters the run.
+
+    A reply is refused (`ProtocolError` naming the server and the field; the client retries it on
+    another server, then the run stops) when `output_ids` disagree with the log-prob ids, a log-prob
+    is NaN, +inf or above 0 (`LOGPROB_SLACK`), there are more tokens than `max_new_tokens`, an id is
+    outside `[0, vocab_size)`, or a token's version is above `max_version` (the newest version the
+    trainer published: a later one is from the future). Training on any of these would bias every
+    importance ratio or crash the actor's embedding. The version of each token is
     `meta_info.weight_version` at reply time, or the `weight_versions` spans of SGLang 0.5.23+
     (`{"version", "start", "end"}` over output positions) when the server reports them.
     """
+    where = f"{url}/generate reply"
     if isinstance(body, list):
         if len(body) != 1:
             raise ProtocolError(f"{url}/generate returned a batch of {len(body)} for one prompt")
         body = body[0]
     if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
-        raise ProtocolError(f"{url}/generate reply has no meta_info: {str(body)[:200]}")
+        raise ProtocolError(f"{where} has no meta_info: {str(body)[:200]}")
     meta = body["meta_info"]
     finish = meta.get("finish_reason")
     if isinstance(finish, str):
         finish = {"type": finish}
     if not isinstance(finish, dict) or finish.get("type") not in FINISH_TYPES:
-        raise ProtocolError(f"{url}/generate reply has an unknown finish_reason {finish!r}")
+        raise ProtocolError(f"{where}: unknown meta_info.finish_reason {finish!r}")
     entries = meta.get("output_token_logprobs") or []
+    if not isinstance(entries, list):
+        raise ProtocolError(f"{where}: meta_info.output_token_logprobs is not a list: {str(entries)[:100]}")
+    if max_new_tokens is not None and len(entries) > max_new_tokens:
+        raise ProtocolError(f"{where}: meta_info.output_token_logprobs has {len(entries)} tokens, more than the "
+                            f"max_new_tokens={max_new_tokens} asked for")
     ids: list[int] = []
     logprobs: list[float] = []
-    for e in entries:
+    for i, e in enumerate(entries):
+        field = f"meta_info.output_token_logprobs[{i}]"
         if not isinstance(e, (list, tuple)) or len(e) < 2 or e[0] is None:
-            raise ProtocolError(f"{url}/generate: malformed output_token_logprobs entry {e!r}")
-        lp = float(e[0])
-        if math.isnan(lp):
-            raise ProtocolError(f"{url}/generate: NaN log-prob for token {e[1]}")
+            raise ProtocolError(f"{where}: malformed {field} {e!r}")
+        try:
+            lp, token = float(e[0]), e[1]
+        except (TypeError, ValueError):
+            raise ProtocolError(f"{where}: {field} log-prob {e[0]!r} is not a number") from None
+        if not (lp <= LOGPROB_SLACK):  # NaN and +inf fail too; -inf (probability 0) is a log-prob
+            raise ProtocolError(f"{where}: {field} log-prob {lp} for token {token}: a log-probability is <= 0")
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise ProtocolError(f"{where}: {field} token id {token!r} is not an integer")
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise ProtocolError(f"{where}: {field} token id {token} is outside the vocabulary [0, {vocab_size})")
         logprobs.append(lp)
-        ids.append(int(e[1]))
+        ids.append(token)
     output_ids = body.get("output_ids")
     if output_ids is not None and [int(x) for x in output_ids] != ids:
         if not ids and output_ids:
-            raise ProtocolError(f"{url}/generate returned {len(output_ids)} tokens without log-probs "
+            raise ProtocolError(f"{where}: {len(output_ids)} output_ids without meta_info.output_token_logprobs "
                                 "(was return_logprob dropped on the way?)")
-        raise ProtocolError(f"{url}/generate: output_ids {list(output_ids)[:8]}... disagree with "
-                            f"output_token_logprobs ids {ids[:8]}...")
+        raise ProtocolError(f"{where}: output_ids ({len(output_ids)} tokens: {list(output_ids)[:8]}...) disagree with "
+                            f"meta_info.output_token_logprobs ({len(ids)} tokens: {ids[:8]}...)")
+    versions = _versions(meta, len(ids), where)
+    if max_version is not None:
+        future = [v for v in versions if v is not None and v > max_version]
+        if future:
+            raise ProtocolError(f"{where}: meta_info.weight_version {max(future)} is newer than the newest version "
+                                f"the trainer published ({max_version})")
     text = body.get("text")
-    return GenerateResult(output_ids=ids, logprobs=logprobs, versions=_versions(meta, len(ids)),
+    return GenerateResult(output_ids=ids, logprobs=logprobs, versions=versions,
                           finish_type=finish["type"], finish_reason=dict(finish), rid=rid, url=url,
                           text=text if isinstance(text, str) else "")
 
 
-def _versions(meta: dict, n: int) -> list[Optional[int]]:
+def _versions(meta: dict, n: int, where: str) -> list[Optional[int]]:
     spans = meta.get("weight_versions")
     out: list[Optional[int]] = [parse_version(meta.get("weight_version"))] * n
     if isinstance(spans, list) and spans:
@@ -74,7 +105,7 @@ def _versions(meta: dict, n: int) -> list[Optional[int]]:
             try:
                 start, end, v = int(span["start"]), int(span["end"]), parse_version(span["version"])
             except (KeyError, TypeError, ValueError) as exc:
-                raise ProtocolError(f"malformed weight_versions span {span!r}") from exc
+                raise ProtocolError(f"{where}: malformed meta_info.weight_versions span {span!r}") from exc
             for i in range(max(start, 0), min(end, n)):
                 out[i] = v
     return out

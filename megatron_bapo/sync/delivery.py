@@ -58,10 +58,11 @@ class UpdateSession:
         except RolloutError:
             # A built-in server died during the load: restart it (it starts from model.hf_path, or the
             # previous version) and load this complete directory everywhere again.
-            if not d.pool.any_dead() or not d.pool.ensure_alive():
+            if not d.pool.any_dead() or not d.pool.ensure_alive(updating=True):
                 raise
             client.update_weights_from_disk(str(Path(path).absolute()), version, flush_cache=flush)
         d.pool.latest_disk_weights = (str(Path(path).absolute()), version)
+        d.pool.version = version
         logger.info("weight sync v%s: %s loaded", version, path)
 
     def send(self, bucket: list, *, last: bool) -> int:
@@ -84,7 +85,7 @@ class WeightDelivery:
 
     @contextlib.contextmanager
     def update(self, version: int) -> Iterator[UpdateSession]:
-        self.pool.ensure_alive()
+        self.pool.ensure_alive(updating=True)
         if not self._checked:
             self._check_servers()
         client, mode = self.pool.client, self.config.pause_mode
@@ -99,6 +100,7 @@ class WeightDelivery:
                     yield session
                 finally:
                     client.run(client.aend_weight_update(), timeout=self.config.group_timeout_s)
+                self.pool.version = version
                 logger.info("weight sync v%s: %d tensors over %s", version, session.num_tensors, self.config.backend)
             else:
                 yield session

@@ -12,15 +12,17 @@ talk HTTP; what reaches the servers, and how, is the sink's business.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 
 from megatron_bapo.sync.config import SyncConfig
 
 logger = logging.getLogger(__name__)
+_VERSION_DIR = re.compile(r"^v(\d+)(\.tmp|\.old)?$")
 
 
 class Sink(Protocol):
@@ -43,7 +45,13 @@ class NullSink:
 
 class DiskExport:
     """Write `root/v{version:06d}` (HF safetensors, renamed into place when complete), then the sink
-    loads it; directories beyond `sync.keep_versions` are deleted."""
+    loads it; the directories are owned by version number, not guessed from their names' order.
+
+    Before writing version V, every directory of a version above V is deleted: after a resume from
+    a checkpoint at V, the killed run's later versions are not this run's weights (and sorted by
+    name they would outrank V, so the version just published would be the one pruned). After the
+    sink loaded V, the `sync.keep_versions` newest versions up to V are kept, older ones deleted.
+    """
 
     def __init__(self, config: SyncConfig, actor: Any, hf_config: Any, root: Union[str, Path], *,
                  tokenizer_src: Optional[Union[str, Path]] = None) -> None:
@@ -54,15 +62,36 @@ class DiskExport:
     def run(self, version: int, sink: Sink) -> None:
         from megatron_bapo.convert import save_model_as_hf
 
+        p = self.actor.parallel
+        if p.dp_rank == 0 and p.cp_rank == 0 and p.tp_rank == 0 and p.pp_rank == 0:  # save_model_as_hf's writer
+            self._delete(lambda v: v > version, why=f"newer than version {version}, which is being published")
         target = self.root / f"v{version:06d}"
         written = save_model_as_hf(self.actor.model, self.hf_config, target, tokenizer_src=self.tokenizer_src,
                                    max_shard_bytes=int(self.config.bucket_bytes), parallel=self.actor.parallel)
         if written is None:  # not the writing rank: the directory is rank 0's to deliver
             return
         sink.load_from_disk(written, version)
-        versions = sorted(p for p in self.root.glob("v*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in versions[:-self.config.keep_versions]:
-            shutil.rmtree(old, ignore_errors=True)
+        kept = sorted(v for v in self.versions() if v <= version)[-self.config.keep_versions:]
+        self._delete(lambda v: v not in kept)  # older than sync.keep_versions (routine)
+
+    def versions(self) -> dict[int, Path]:
+        """Complete version directories under the root: {version: path} (`v000012` is version 12)."""
+        found = {}
+        for path in self.root.glob("v*"):
+            m = _VERSION_DIR.match(path.name)
+            if m and m.group(2) is None and path.is_dir():
+                found[int(m.group(1))] = path
+        return found
+
+    def _delete(self, doomed: Callable[[int], bool], why: Optional[str] = None) -> None:
+        """Delete version directories (and their interrupted `.tmp`/`.old` siblings) whose version
+        `doomed(version)` selects; logged when `why` says it is not routine pruning."""
+        for path in sorted(self.root.glob("v*")):
+            m = _VERSION_DIR.match(path.name)
+            if m and path.is_dir() and doomed(int(m.group(1))):
+                if why:
+                    logger.info("weight sync: deleting %s (%s)", path, why)
+                shutil.rmtree(path, ignore_errors=True)
 
 
 class DistributedExport:

@@ -1,0 +1,118 @@
+"""What a checkpoint records about the run that wrote it, and what a resume compares.
+
+    record = describe(config, hf_config, world_size=...)    # at start; saved in trainer.json as "run"
+    notes = check_resume(saved_record, record, ckpt)         # at resume: raises CheckpointError, or
+                                                             # returns the changes it honours (logged)
+
+A resume continues the checkpoint's run exactly: the data position indexes the saved prompt list,
+the partial-rollout buffer holds groups of the saved size, the actor's weights and optimizer state
+have the saved shapes and layout. What megatron reshards on load (TP, PP, VPP, CP, DP: the checkpoint
+is saved in a reshardable format) is allowed and logged. What a resume cannot honour is refused
+before anything is built, in one `checkpoint error:` line naming each field with its old and new
+value and the ways out (`--no-resume`, or a new `trainer.output_dir`):
+
+- the data file: its size and a sha256 of its first and last MiB (a different file with the same
+  number of rows would otherwise resume silently, and every saved index would name another prompt;
+  the same content at another path is fine), and the data settings that decide the prompt list;
+- `rollout.group_size` and `rollout.prompts_per_step` (the buffer's groups and the rounds' shape);
+- the model's architecture and shapes, as megatron builds them (layers, widths, heads, padded vocab);
+- the optimizer's layout: `actor.use_distributed_optimizer` and `actor.optim.name`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+DATA_PROBE_BYTES = 1 << 20
+"""Bytes hashed at each end of the data file: a different file is caught without reading all of it."""
+DATA_KEYS = ("prompt_key", "answer_key", "apply_chat_template", "system_prompt", "max_prompt_tokens", "max_rows")
+"""`data.*` fields that decide which rows become prompts (and so what a saved position points at)."""
+MODEL_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "kv_channels", "normalization", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+              "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "vocab_size", "position_embedding_type",
+              "rotary_base", "share_embeddings_and_output_weights")
+"""megatron-core `TransformerConfig` / `GPTModel` arguments that fix the weights' shapes and meaning
+(`vocab_size` is the padded one)."""
+LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "dp")
+WAY_OUT = ("put the setting(s) back to resume, or start over from model.hf_path with --no-resume "
+           "(trainer.resume=false) or a new trainer.output_dir")
+
+
+def data_fingerprint(path: str | Path) -> dict[str, Any]:
+    """Identity of a data file: its absolute path, size and the sha256 of its first and last
+    `DATA_PROBE_BYTES` (the whole file when smaller)."""
+    path = Path(path)
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(DATA_PROBE_BYTES))
+        if size > DATA_PROBE_BYTES:
+            f.seek(max(size - DATA_PROBE_BYTES, DATA_PROBE_BYTES))
+            digest.update(f.read())
+    return {"path": str(path.absolute()), "size": size, "sha256_head_tail": digest.hexdigest()}
+
+
+def describe(config: Any, hf_config: Any, *, world_size: int) -> dict[str, Any]:
+    """The record of this run (JSON-safe): see the module docstring for what and why."""
+    from megatron_bapo.models.registry import model_args_from_hf
+
+    args = model_args_from_hf(hf_config, vocab_divisible_by=config.actor.vocab_divisible_by)
+    shapes = {**args.config_kwargs, **args.gpt_kwargs}
+    par = config.actor.parallel
+    record = {
+        "data": {**data_fingerprint(config.data.path), **{k: getattr(config.data, k) for k in DATA_KEYS}},
+        "rollout": {"group_size": config.rollout.group_size, "prompts_per_step": config.rollout.prompts_per_step},
+        "model": {"architecture": args.architecture, **{k: shapes[k] for k in MODEL_KEYS if k in shapes}},
+        "optimizer": {"distributed": config.actor.use_distributed_optimizer, "name": config.actor.optim.name},
+        "layout": {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "cp": par.cp,
+                   "dp": world_size // (par.tp * par.pp * par.cp)},
+    }
+    return json.loads(json.dumps(record))
+
+
+def check_resume(saved: Optional[dict[str, Any]], current: dict[str, Any], ckpt: str | Path) -> list[str]:
+    """Compare the record saved with checkpoint `ckpt` with this run's; raise `CheckpointError`
+    naming every change a resume cannot honour, else return the honoured changes (to log)."""
+    from megatron_bapo.run_state import CheckpointError
+
+    if not saved:
+        return [f"{Path(ckpt).name} was written before checkpoints recorded their run: data file, group size, "
+                f"model and optimizer layout are not checked"]
+    refused, notes = [], []
+    old, new = saved.get("data", {}), current["data"]
+    if (old.get("size"), old.get("sha256_head_tail")) != (new["size"], new["sha256_head_tail"]):
+        refused.append(f"data.path: {new['path']} ({new['size']} bytes) is not the file the checkpoint was trained on "
+                       f"({old.get('path')}, {old.get('size')} bytes; the saved data position would point at other "
+                       f"prompts)")
+    elif old.get("path") != new["path"]:
+        notes.append(f"data file moved: {old.get('path')} -> {new['path']} (same size and content)")
+    for key in DATA_KEYS:
+        if key in old and old[key] != new[key]:
+            refused.append(f"data.{key} {old[key]!r} -> {new[key]!r} (changes the prompt list)")
+    for key, value in current["rollout"].items():
+        if key in saved.get("rollout", {}) and saved["rollout"][key] != value:
+            refused.append(f"rollout.{key} {saved['rollout'][key]} -> {value} (the partial-rollout buffer and the "
+                           f"rounds produced ahead hold the old shape)")
+    old_model, new_model = saved.get("model", {}), current["model"]
+    changed = [k for k in new_model if k in old_model and old_model[k] != new_model[k]]
+    if changed:
+        diffs = ", ".join(f"{k} {old_model[k]} -> {new_model[k]}" for k in changed)
+        refused.append(f"model.hf_path: another architecture or shape than the checkpoint's weights ({diffs})")
+    names = {"distributed": "actor.use_distributed_optimizer", "name": "actor.optim.name"}
+    for key, field in names.items():
+        old_value = saved.get("optimizer", {}).get(key)
+        if old_value is not None and old_value != current["optimizer"][key]:
+            refused.append(f"{field} {old_value} -> {current['optimizer'][key]} (the saved optimizer state has "
+                           f"another layout)")
+    if refused:
+        raise CheckpointError(f"cannot resume from {ckpt}: " + "; ".join(refused) + f". {WAY_OUT}")
+    old_layout = saved.get("layout", {})
+    if old_layout and any(old_layout.get(k) != current["layout"][k] for k in LAYOUT_KEYS):
+        def show(layout: dict) -> str:
+            return " ".join(f"{k.upper()}{layout.get(k)}" for k in LAYOUT_KEYS if layout.get(k) is not None)
+        notes.append(f"layout {show(old_layout)} -> {show(current['layout'])}: megatron reshards the model and "
+                     f"optimizer state on load (RNG streams restart)")
+    return notes

@@ -1,0 +1,47 @@
+"""The server pool owns what its built-in servers serve: a restarted server is given the version the
+others serve, or the restart is an error naming the version and the path; never the base model
+passing for a later version (its tokens would be labelled stale and regenerated forever)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from megatron_bapo.config import RolloutConfig
+from megatron_bapo.rollout.config import RolloutClientConfig
+from megatron_bapo.rollout.errors import RolloutError
+from megatron_bapo.rollout.pool import ServerPool
+
+
+def _kill(pool: ServerPool) -> None:
+    os.kill(pool.servers[0].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while pool.servers[0].alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_restarted_server_that_cannot_be_given_the_current_version_is_an_error(tiny_hf_dir, tmp_path):
+    rollout = RolloutConfig(client=RolloutClientConfig(health_timeout_s=120))
+    pool = ServerPool(rollout, model_path=str(tiny_hf_dir), seed=0, log_dir=tmp_path / "logs",
+                      state_path=tmp_path / "servers.json")
+    pool.start()
+    try:
+        url = pool.servers[0].url
+        # Disk sync at version 3 whose directory is gone (as pruning by name used to do after a resume).
+        pool.version, pool.latest_disk_weights = 3, (str(tmp_path / "hf_sync" / "v000003"), 3)
+        _kill(pool)
+        with pytest.raises(RolloutError) as err:
+            pool.ensure_alive()
+        assert f"built-in server(s) {url} restarted, but version 3's weights {tmp_path}/hf_sync/v000003 are gone" \
+            in str(err.value) and "--resume" in str(err.value)
+        # Distributed sync: no copy of version 3 exists outside a sync.
+        pool.latest_disk_weights = None
+        _kill(pool)
+        with pytest.raises(RolloutError, match="version 3 exists on no disk .* sync.method=disk"):
+            pool.ensure_alive()
+        assert pool.restarts == [2] and pool.client.get_weight_version() == 0  # the restarted one: base model
+    finally:
+        pool.close()
