@@ -307,7 +307,7 @@ class Actor:
         out.update(batch.metrics)
         out.update(mismatch)
         if not self.mismatch_checked:
-            self.mismatch_checked = warn_if_large(out, self.config.mismatch, logger)
+            self.mismatch_checked = warn_if_large(out, self.config.mismatch, logger, emit=self.parallel.rank == 0)
         return out
 
     def _recompute_old_policy(self, batch: RankBatch) -> tuple[list[list[dict]], dict[str, float]]:

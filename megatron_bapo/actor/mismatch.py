@@ -1,10 +1,10 @@
 """Training-inference mismatch metrics (`mismatch/*`): the trainer's log-probs against the rollout's.
 
-Measured once per `train_step`, BEFORE any update of the step, on every loss token whose rollout
-log-prob the trainer recomputed with the same weights it sampled... or with newer ones: tokens are
-bucketed by their version lag (the trainer's policy version minus the version that sampled the
-token). Lag 0 is pure numerical mismatch (dtype, kernels, a wrong temperature, penalties,
-pre-temperature log-probs); lags 1, 2, 3+ add the policy's own drift, so the two are told apart.
+Measured once per `train_step`, BEFORE any update of the step, on loss tokens bucketed by their
+version lag: the trainer's policy version minus the version that sampled the token. Lag 0 (the
+servers held exactly the trainer's weights) is pure training-inference mismatch: dtype, kernels,
+a wrong temperature, penalties, pre-temperature log-probs. Lags 1, 2, 3+ add the policy's own
+drift since the token was sampled, so the two are told apart.
 
 Per bucket, with d_t = logp_train_t - logp_rollout_t over its loss tokens:
 
@@ -17,7 +17,7 @@ Per bucket, with d_t = logp_train_t - logp_rollout_t over its loss tokens:
 | `num_tokens` | loss tokens in the bucket (`num_nonfinite`: excluded, non-finite d) |
 
 Lag 0 is logged as `mismatch/<metric>`, the others as `mismatch/lag1/<metric>`, `lag2`, `lag3plus`;
-a bucket without tokens logs only its `num_tokens`. Which tokens are measured: with
+a bucket without tokens logs only its counts. Which tokens are measured: with
 `old_logprobs: recompute` every token of the batch (the recompute pass); with `rollout` those of
 the first mini-batch (its training forward, which runs before the first update: no extra pass).
 
@@ -44,9 +44,9 @@ FINAL_KEYS = ("num_tokens", "num_nonfinite", "abs_diff_mean", "abs_diff_max", "k
               "seq_ratio_max", "frac_outside_band")
 _SUMS = 5  # per bucket: tokens, sum abs(d), sum k3, tokens outside the band, non-finite tokens
 _LIKELY_CAUSES = (
-    "the rollout temperature differs from the one the trainer divides by (rollout.sampling.temperature), "
-    "sampling penalties or a logit bias change the servers' logits, the servers return pre-temperature "
-    "log-probs (SGLANG_RETURN_ORIGINAL_LOGPROB), or the servers compute in another dtype than the trainer"
+    "a temperature other than the trainer's (rollout.sampling.temperature), sampling penalties or a logit bias "
+    "on the servers, servers returning pre-temperature log-probs (SGLANG_RETURN_ORIGINAL_LOGPROB), or servers "
+    "computing in another dtype or model than the trainer's"
 )
 
 
@@ -138,18 +138,18 @@ def mismatch_metrics(vec: torch.Tensor) -> dict[str, float]:
     return out
 
 
-def warn_if_large(metrics: dict[str, float], config: MismatchConfig, log) -> bool:
-    """Warn (once per run: the caller remembers) when the lag-0 KL exceeds `warn_kl`; returns whether
-    the check could run (there were lag-0 tokens)."""
+def warn_if_large(metrics: dict[str, float], config: MismatchConfig, log, *, emit: bool = True) -> bool:
+    """Warn (once per run: the caller remembers; only where `emit`, e.g. global rank 0) when the lag-0
+    KL exceeds `warn_kl`; returns whether the check could run (there were lag-0 tokens)."""
     if not metrics.get("mismatch/num_tokens"):
         return False
     kl = metrics["mismatch/kl_k3"]
-    if config.warn_kl is not None and kl > config.warn_kl:
+    if emit and config.warn_kl is not None and kl > config.warn_kl:
         log.warning(
-            "training-inference mismatch on the first update: KL(rollout || train) = %.3g (mismatch/kl_k3) on %d "
-            "tokens sampled with the trainer's own weights, above actor.mismatch.warn_kl=%g; mean |d log p| %.3g, "
-            "%.1f%% of tokens outside the ratio band %s. Likely causes: %s. With actor.old_logprobs: recompute the "
-            "ratio is taken against the trainer's own log-probs and actor.correction handles the rest",
-            kl, int(metrics["mismatch/num_tokens"]), config.warn_kl, metrics["mismatch/abs_diff_mean"],
-            100 * metrics["mismatch/frac_outside_band"], list(config.band), _LIKELY_CAUSES)
+            "training-inference mismatch on the first update: KL(rollout || train) = %.3g (mismatch/kl_k3, %d tokens "
+            "sampled with the trainer's weights) > actor.mismatch.warn_kl=%g; mean |d log p| %.3g, %.1f%% of ratios "
+            "outside %s. Likely causes: %s. actor.old_logprobs: recompute (+ actor.correction) takes the ratio against "
+            "the trainer's own log-probs", kl, int(metrics["mismatch/num_tokens"]), config.warn_kl,
+            metrics["mismatch/abs_diff_mean"], 100 * metrics["mismatch/frac_outside_band"], list(config.band),
+            _LIKELY_CAUSES)
     return True
