@@ -30,10 +30,12 @@ PLOTS = {
                                   ["bapo/rho_before", "bapo/rho_after"]),
     "clip_fractions.png": ("Clipped token fraction by advantage sign", ["actor/clipfrac_pos", "actor/clipfrac_neg"]),
     "grad_norm.png": ("Gradient norm", ["actor/grad_norm"]),
-    "mismatch.png": ("Train/rollout KL(rollout || train) by version lag", ["mismatch/kl_k3", "mismatch/lag1/kl_k3",
-                                                                          "mismatch/lag3plus/kl_k3"]),
+    "mismatch.png": ("KL(rollout || train) by version lag (lag 0: mismatch only)",
+                     ["mismatch/kl_k3", "mismatch/lag1/kl_k3", "mismatch/lag3plus/kl_k3"]),
     "correction.png": ("Importance correction (recompute): mean weight", ["correction/weight_mean"]),
 }
+LOG_SCALE = {"mismatch.png"}
+"""Plots whose values span orders of magnitude (lag-0 mismatch vs drift)."""
 MISMATCH_COLUMNS = (
     ("KL lag 0", "mismatch/kl_k3", ".2e"), ("mean abs d lag 0", "mismatch/abs_diff_mean", ".2e"),
     ("KL lag 1", "mismatch/lag1/kl_k3", ".2e"), ("KL lag 2", "mismatch/lag2/kl_k3", ".2e"),
@@ -167,7 +169,7 @@ def main() -> None:
                 steps, mean, lo, hi = _across_seeds(seeds, tag, window=10 if "reward" in tag else 1)
                 if not steps:
                     continue
-                label = name if len(tags) == 1 else f"{name} {tag.split('/')[-1]}"
+                label = name if len(tags) == 1 else f"{name} {tag.split('/', 1)[-1]}"
                 (line,) = ax.plot(steps, mean, label=label, linewidth=1.4)
                 if len(seeds) > 1:
                     ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
@@ -175,6 +177,8 @@ def main() -> None:
         if not drawn:
             plt.close(fig)
             continue
+        if filename in LOG_SCALE:
+            ax.set_yscale("log")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
