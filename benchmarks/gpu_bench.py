@@ -115,20 +115,24 @@ def step_flops(hf: dict, lengths: list[int]) -> float:
 
 
 def actor_steps(model: str, *, steps: int, seqs: int, min_len: int, max_len: int, budget: int, peak: float,
-                dtype: str) -> dict[str, Any]:
-    """`steps` timed BAPO optimizer steps (after one warm-up) of a randomly initialised model."""
+                dtype: str, old_logprobs: str = "rollout") -> dict[str, Any]:
+    """`steps` timed BAPO optimizer steps (after one warm-up) of a randomly initialised model;
+    `old_logprobs: recompute` (TIS) adds the recompute pass, reported as its share of the step."""
     from megatron_bapo.actor import ActorConfig, OptimConfig
     from megatron_bapo.actor.actor import Actor
 
     hf = MODELS[model]
     cfg = ActorConfig(optim=OptimConfig(lr=1e-6), dtype=dtype, packing=True, max_tokens_per_microbatch=budget,
-                      search_scope="minibatch", use_distributed_optimizer=True)
+                      search_scope="minibatch", use_distributed_optimizer=True, old_logprobs=old_logprobs,
+                      correction={"mode": "tis" if old_logprobs == "recompute" else "none"},
+                      mismatch={"warn_kl": None})  # synthetic behavior log-probs
     actor = Actor(cfg, hf)
     batches = [rl_batch(lengths_mix(seqs, min_len, max_len, seed=s), hf["vocab_size"], seed=s) for s in range(steps + 1)]
     actor.train_step(batches[0])  # warm-up (allocator, kernels, jit fusers)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    seconds, phases, flops, tokens = [], {"search": 0.0, "forward_backward": 0.0, "optimizer": 0.0}, 0.0, 0
+    seconds, flops, tokens = [], 0.0, 0
+    phases = {"recompute": 0.0, "search": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
     for b in batches[1:]:
         _sync()
         t0 = time.perf_counter()
@@ -141,8 +145,9 @@ def actor_steps(model: str, *, steps: int, seqs: int, min_len: int, max_len: int
         flops += step_flops(hf, lengths)
         tokens += sum(lengths)
     total = sum(seconds)
-    phases["optimizer"] = max(total - phases["search"] - phases["forward_backward"], 0.0)  # its kernels end at the sync
-    out = {"model": model, "dtype": dtype, "steps": steps, "tokens_per_step": tokens / steps,
+    # the optimizer's kernels end at the sync: its share is the rest of the step
+    phases["optimizer"] = max(total - phases["recompute"] - phases["search"] - phases["forward_backward"], 0.0)
+    out = {"model": model, "dtype": dtype, "old_logprobs": old_logprobs, "steps": steps, "tokens_per_step": tokens / steps,
            "step_s": statistics.median(seconds), "tokens_per_s": tokens / total,
            "mfu": flops / total / (peak * 1e12) if peak else float("nan"), "peak_memory_gib": _peak_memory_gib(),
            "share": {k: v / total for k, v in phases.items()},
@@ -237,7 +242,8 @@ def _print_report(report: dict[str, Any]) -> None:
               f"layer spec: {env['layer_spec']} ({env['layer_spec_reason']}); peak FLOP/s unknown: no MFU")
     for r in report.get("actor", []):
         share = "  ".join(f"{k} {v:.0%}" for k, v in r["share"].items())
-        print(f"actor {r['model']} ({r['params'] / 1e6:.0f}M params, {r['dtype']}): {r['tokens_per_s']:,.0f} tokens/s, "
+        print(f"actor {r['model']} ({r['params'] / 1e6:.0f}M params, {r['dtype']}, old_logprobs "
+              f"{r['old_logprobs']}): {r['tokens_per_s']:,.0f} tokens/s, "
               f"MFU {r['mfu']:.1%}, peak memory {r['peak_memory_gib']:.1f} GiB, {r['step_s']:.2f} s/step "
               f"({r['tokens_per_step']:,.0f} tokens); share of the step: {share}")
     for r in report.get("logprobs", []):
@@ -263,6 +269,7 @@ def main(argv: Any = None) -> dict[str, Any]:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--search-tokens", type=int, default=2_000_000)
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="override the device's peak bf16 TFLOP/s")
+    ap.add_argument("--old-logprobs", default="rollout", help="rollout, recompute, or both (comma-separated)")
     ap.add_argument("--tiny", action="store_true", help="CPU-sized everything (the tests run this)")
     ap.add_argument("--out", default="", help="directory for gpu_bench.json")
     args = ap.parse_args(argv)
@@ -279,8 +286,8 @@ def main(argv: Any = None) -> dict[str, Any]:
     if "actor" in parts:
         report["actor"] = [actor_steps(m, steps=args.steps, seqs=args.seqs, min_len=max(args.max_len // 64, 8),
                                        max_len=args.max_len, budget=args.budget,
-                                       peak=report["env"]["peak_bf16_tflops"], dtype=dtype)
-                           for m in args.models.split(",")]
+                                       peak=report["env"]["peak_bf16_tflops"], dtype=dtype, old_logprobs=mode)
+                           for m in args.models.split(",") for mode in args.old_logprobs.split(",")]
     if "logprobs" in parts:
         report["logprobs"] = [logprob_memory(int(n), args.vocab, 4096 if not args.tiny else 64, variant)
                               for n in args.logprob_tokens.split(",") for variant in ("chunked", "naive")]

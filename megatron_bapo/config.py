@@ -113,6 +113,9 @@ class RolloutConfig(PartialRolloutConfig):
     """Groups per RL step (the batch is `prompts_per_step x group_size` responses)."""
     num_builtin_servers: int = 1
     """Built-in servers started on loopback when `client.urls` and `client.router_url` are empty."""
+    builtin_server_dtype: str = "float32"
+    """The built-in servers' `--dtype`: "float32" (log-probs match the fp32 trainer's to ~1e-6) or
+    "bfloat16" (as SGLang serves on GPUs: a real training-inference mismatch, see docs/bapo.md)."""
     client: RolloutClientConfig = field(default_factory=RolloutClientConfig)
     """Servers, router, concurrency, timeouts, retries, API key (`client.health_timeout_s` also bounds
     the built-in servers' start)."""
@@ -128,6 +131,9 @@ class RolloutConfig(PartialRolloutConfig):
         for name in ("prompts_per_step", "num_builtin_servers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.builtin_server_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"rollout.builtin_server_dtype must be 'float32' or 'bfloat16', got "
+                              f"{self.builtin_server_dtype!r}")
         if not 0 < self.max_failed_group_rate <= 1:
             raise ConfigError(f"rollout.max_failed_group_rate must be in (0, 1], got {self.max_failed_group_rate}")
         if self.max_server_restarts < 0:

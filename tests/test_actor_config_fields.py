@@ -11,6 +11,7 @@ fails `test_every_field_has_a_check`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from datetime import timedelta
 
@@ -30,10 +31,16 @@ OPTIM_SGD = dict(name="sgd", lr=3e-3, min_lr=1e-4, warmup_steps=2, decay_style="
 COMMON = dict(max_tokens_per_microbatch=40, n_minibatches=2, ppo_epochs=2, search_scope="microbatch",
               loss_agg="seq-mean-token-sum", seed=77, logprob_chunk_size=5, vocab_divisible_by=48,
               max_skipped_steps=3, recompute="full", layer_spec="local")
+# The behavior log-probs are the trainer's minus 0.05: every ratio is exp(0.05) = 1.051, outside the
+# mismatch band's 1.04, and its k3 KL (1.3e-3) is above warn_kl.
+MISMATCH = dict(band=(0.6, 1.04), warn_kl=1e-4)
 LAYOUT_A = dict(parallel=dict(tp=2, pp=2, vpp=2, sequence_parallel=True, backend="gloo", timeout_minutes=7),
-                optim=OPTIM_SGD, packing=True, use_distributed_optimizer=False, dtype="float32", **COMMON)
+                optim=OPTIM_SGD, packing=True, use_distributed_optimizer=False, dtype="float32",
+                old_logprobs="recompute", correction=dict(mode="seq_mis", band=(0.8, 1.25)), mismatch=MISMATCH,
+                **COMMON)
 LAYOUT_B = dict(parallel=dict(cp=2, backend="gloo", timeout_minutes=9), optim=dict(OPTIM_SGD, name="adam"),
-                packing=False, use_distributed_optimizer=True, dtype="bfloat16", **COMMON)
+                packing=False, use_distributed_optimizer=True, dtype="bfloat16", old_logprobs="recompute",
+                correction=dict(mode="tis", tis_cap=1.5), mismatch=MISMATCH, **COMMON)
 # ActorConfig defaults: packing=True, use_distributed_optimizer=True, dtype="float32": each layout
 # turns the ones it can (SGD needs the plain optimizer; bf16 runs with the distributed one).
 
@@ -54,6 +61,7 @@ def _build_and_step(rank, world_size, layout):
 
     import megatron_bapo.actor.actor as actor_mod
     import megatron_bapo.actor.scatter as scatter_mod
+    import megatron_bapo.algorithms.importance as importance_mod
     from megatron_bapo.actor import ActorConfig
     from megatron_bapo.actor.actor import Actor
     from megatron_bapo.actor.scatter import PreparedBatch
@@ -62,8 +70,20 @@ def _build_and_step(rank, world_size, layout):
     spies = {name: Recorder(getattr(actor_mod, name))
              for name in ("search_clip_bounds", "policy_loss", "vocab_parallel_logprobs", "resolve_layer_spec")}
     spies["aggregation_weights"] = Recorder(scatter_mod.aggregation_weights)
+    for name in ("tis_weights", "mis_weights", "seq_mis_weights"):
+        spies[name] = Recorder(getattr(importance_mod, name))
+    homes = {"aggregation_weights": scatter_mod, "tis_weights": importance_mod, "mis_weights": importance_mod,
+             "seq_mis_weights": importance_mod}
     for name, spy in spies.items():
-        setattr(scatter_mod if name == "aggregation_weights" else actor_mod, name, spy)
+        setattr(homes.get(name, actor_mod), name, spy)
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger(actor_mod.__name__).addHandler(Keep())
     cfg = from_dict(ActorConfig, {**layout, "bapo": BAPO}, "actor")
     actor = Actor(cfg, TINY4)
     b = make_batch(num_seqs=8, max_len=24, seed=5)
@@ -76,6 +96,7 @@ def _build_and_step(rank, world_size, layout):
     packed_microbatches = ["cu_seqlens" in mb for mb in first]
     spies["aggregation_weights"].calls.clear()
     metrics = actor.train_step(b)
+    recompute_seconds = actor.phase_times["recompute"]
     bad = dict(b, advantages=b["advantages"] * float("nan"))
     with pytest.raises(RuntimeError, match="max_skipped_steps"):
         for _ in range(10):  # non-finite mini-batches are skipped until max_skipped_steps is exceeded
@@ -115,6 +136,12 @@ def _build_and_step(rank, world_size, layout):
         "is_last_stage": actor.parallel.is_last_stage,
         "layer_specs": layer_specs,
         "core_attention": type(actor.model[0].module.decoder.layers[0].self_attention.core_attention).__name__,
+        "recompute_seconds": recompute_seconds,
+        "rank": rank,
+        "tis_caps": {c[0][3] for c in spies["tis_weights"].calls},
+        "bands": {tuple(c[0][3]) for c in spies["seq_mis_weights"].calls + spies["mis_weights"].calls},
+        "corrections": {n for n in ("tis_weights", "mis_weights", "seq_mis_weights") if spies[n].calls},
+        "mismatch_warnings": [w for w in warnings if "training-inference mismatch" in w],
     }
 
 
@@ -161,6 +188,17 @@ CHECKS = {
                                r["tc"]["recompute_num_layers"]) == ("full", "uniform", 1),
     "layer_spec": lambda L, r: r["layer_specs"] == [L["layer_spec"]] and r["core_attention"] == "SdpaAttention",
     "bapo.dual_clip": lambda L, r: not r["is_last_stage"] or r["dual_clip"] == {BAPO["dual_clip"]},
+    # the recompute pass ran; the configured correction made the weights, with its own cap / band
+    "old_logprobs": lambda L, r: (r["recompute_seconds"] > 0) == (L["old_logprobs"] == "recompute"),
+    "correction.mode": lambda L, r: r["corrections"] == ({f"{L['correction']['mode']}_weights"}
+                                                         if r["is_last_stage"] else set()),
+    "correction.tis_cap": lambda L, r: L["correction"]["mode"] != "tis" or not r["is_last_stage"]
+    or r["tis_caps"] == {L["correction"]["tis_cap"]},
+    "correction.band": lambda L, r: "mis" not in L["correction"]["mode"] or not r["is_last_stage"]
+    or r["bands"] == {L["correction"]["band"]},
+    # every token's ratio (1.051) is outside the band's 1.04; the k3 KL (1.3e-3) above warn_kl: one warning
+    "mismatch.band": lambda L, r: r["metrics"]["mismatch/frac_outside_band"] == 1.0,
+    "mismatch.warn_kl": lambda L, r: len(r["mismatch_warnings"]) == (r["rank"] == 0),  # global rank 0 warns
     **{f"bapo.{k}": (lambda k, v: lambda L, r: not r["is_last_stage"]
                      or (bool(r["search"]) and all(getattr(c, k) == v for c in r["search"])))(k, v)
        for k, v in BAPO.items() if k != "dual_clip"},
@@ -173,7 +211,11 @@ def _field_paths() -> set[str]:
     from megatron_bapo.algorithms import BapoConfig
     from megatron_bapo.models.parallel import ParallelConfig
 
-    nested = {"optim": OptimConfig, "bapo": BapoConfig, "parallel": ParallelConfig}
+    from megatron_bapo.actor.mismatch import MismatchConfig
+    from megatron_bapo.algorithms.importance import CorrectionConfig
+
+    nested = {"optim": OptimConfig, "bapo": BapoConfig, "parallel": ParallelConfig, "correction": CorrectionConfig,
+              "mismatch": MismatchConfig}
     out = set()
     for f in dataclasses.fields(ActorConfig):
         if f.name in nested:

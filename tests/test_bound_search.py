@@ -3,7 +3,9 @@
 The reference below re-evaluates the contribution over every token at every step (one full pass
 per step, numpy, formulas straight from design §4 / the paper's Algorithm 1 / the official
 recipe). The implementation under test does one pass and one collective. They must take the same
-decision on every random batch. Batches whose balance lands within 1e-9 of rho0 somewhere on the
+decision on every random batch, including batches whose tokens carry importance weights (the
+`algorithms.importance` corrections: truncated, masked to zero, arbitrary), which the reference
+multiplies into every token's contribution as the loss multiplies them into its term. Batches whose balance lands within 1e-9 of rho0 somewhere on the
 path are discarded: there the decision depends on float summation order, which neither side
 defines.
 """
@@ -123,7 +125,13 @@ def batches(draw):
         a = np.zeros(n)
     m = (g.random(n) < draw(st.sampled_from([1.0, 0.7, 0.0]))).astype(np.float64)
     logp_behavior = np.log(g.uniform(0.01, 1.0, n))
-    return r, a, m, logp_behavior
+    # Importance corrections as `algorithms.importance` makes them: none, TIS (min(w, 2)), MIS (w in
+    # [0.5, 2] else 0), sequence masks (0/1), arbitrary non-negative weights.
+    w_kind = draw(st.sampled_from(["none", "tis", "mis", "mask", "any"]))
+    w = np.exp(g.normal(0.0, 0.6, n))
+    weights = {"none": None, "tis": np.minimum(w, 2.0), "mis": np.where((w >= 0.5) & (w <= 2.0), w, 0.0),
+               "mask": (g.random(n) < 0.7).astype(np.float64), "any": g.uniform(0.0, 3.0, n)}[w_kind]
+    return r, a, m, logp_behavior, weights
 
 
 configs = st.builds(
@@ -137,19 +145,26 @@ configs = st.builds(
 )
 
 
-def _run(r, a, m, lpb, cfg):
+def _run(r, a, m, lpb, tw, cfg):
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
-    return search_clip_bounds(t(r), t(a), t(m), cfg, rollout_logprobs=t(lpb))
+    return search_clip_bounds(t(r), t(a), t(m), cfg, rollout_logprobs=t(lpb),
+                              token_weights=None if tw is None else t(tw))
+
+
+def _ref_weights(lpb, tw, cfg):
+    """The reference's per-token weight: rollout probability (weight: rollout_prob) x importance weight."""
+    w = np.exp(np.asarray(lpb, dtype=np.float64)) if cfg.weight == "rollout_prob" else np.ones(np.shape(lpb))
+    return w if tw is None else w * np.asarray(tw, dtype=np.float64)
 
 
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=batches(), cfg=configs)
 def test_search_equals_literal_algorithm(batch, cfg):
-    r, a, m, lpb = batch
-    w = np.exp(lpb) if cfg.weight == "rollout_prob" else np.ones_like(r)
+    r, a, m, lpb, tw = batch
+    w = _ref_weights(lpb, tw, cfg)
     ref_low, ref_high, ref_steps, visited = ref_search(r, a, m, w, cfg)
     assume(all(abs(v - cfg.rho0) > TIE * (1 + cfg.rho0) for v in visited if math.isfinite(v)))
-    got = _run(r, a, m, lpb, cfg)
+    got = _run(r, a, m, lpb, tw, cfg)
     assert got.num_steps == ref_steps
     assert got.c_low == pytest.approx(ref_low, abs=1e-12)
     assert got.c_high == pytest.approx(ref_high, abs=1e-12)
@@ -162,12 +177,13 @@ def test_search_equals_literal_algorithm(batch, cfg):
 def test_float32_search_equals_literal_algorithm(batch, cfg):
     """float32 inputs take the float32 working path (arithmetic bin index, exact float64 products);
     the reference sees the same float32 values and float32-rounded bounds."""
-    r, a, m, lpb = (np.asarray(x, dtype=np.float32) for x in batch)
-    w = np.exp(lpb.astype(np.float64)) if cfg.weight == "rollout_prob" else np.ones(r.shape)
+    r, a, m, lpb, tw = (None if x is None else np.asarray(x, dtype=np.float32) for x in batch)
+    w = _ref_weights(lpb, tw, cfg)
     ref_low, ref_high, ref_steps, visited = ref_search(r, a, m, w, cfg, bound_dtype=np.float32)
     assume(all(abs(v - cfg.rho0) > 1e-6 * (1 + cfg.rho0) for v in visited if math.isfinite(v)))
     t = lambda x: torch.from_numpy(x)  # noqa: E731
-    got = search_clip_bounds(t(r), t(a), t(m), cfg, rollout_logprobs=t(lpb))
+    got = search_clip_bounds(t(r), t(a), t(m), cfg, rollout_logprobs=t(lpb),
+                             token_weights=None if tw is None else t(tw))
     assert (got.num_steps, got.c_low, got.c_high) == (ref_steps, pytest.approx(ref_low, abs=1e-12),
                                                        pytest.approx(ref_high, abs=1e-12))
     assert got.rho == pytest.approx(visited[-1], rel=1e-6, abs=1e-9)
@@ -177,12 +193,13 @@ def test_float32_search_equals_literal_algorithm(batch, cfg):
 @given(batch=batches(), weight=st.sampled_from(["none", "rollout_prob"]), dual=st.sampled_from([3.0, None]))
 def test_gradient_balance_is_monotone_along_the_path(batch, weight, dual):
     """Raising c_high only adds positives, raising c_low only removes negatives (design §4)."""
-    r, a, m, lpb = batch
+    r, a, m, lpb, tw = batch
     cfg = BapoConfig(weight=weight, dual_clip=dual, rho0=1.0)  # rho0=1 walks the whole path
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     hg = bound_grid(cfg.high_start, cfg.high_max, cfg.high_step, clamp_to_stop=False)
     lg = bound_grid(cfg.low_start, cfg.low_max, cfg.low_step, clamp_to_stop=False)
-    vec = contribution_vectors(t(r), t(a), t(m), cfg, hg, lg, t(lpb)).tolist()
+    vec = contribution_vectors(t(r), t(a), t(m), cfg, hg, lg, t(lpb),
+                               token_weights=None if tw is None else t(tw)).tolist()
     P, N = vec[: hg.numel()], vec[hg.numel() : hg.numel() + lg.numel()]
     assert all(P[i + 1] >= P[i] for i in range(len(P) - 1))
     assert all(N[i + 1] <= N[i] for i in range(len(N) - 1))
@@ -255,8 +272,29 @@ def test_nonfinite_inputs_raise(bad, where):
 
 
 def test_nonfinite_values_in_masked_padding_are_ignored():
-    res = search_clip_bounds(_t([1.0, math.nan]), _t([1.0, math.inf]), _t([1, 0]), BapoConfig())
+    res = search_clip_bounds(_t([1.0, math.nan]), _t([1.0, math.inf]), _t([1, 0]), BapoConfig(),
+                             token_weights=_t([1.0, math.nan]))
     assert res.num_tokens == 1
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nonfinite_token_weight_on_a_loss_token_raises(bad):
+    with pytest.raises(ValueError, match="weight"):
+        search_clip_bounds(_t([1.0, 1.1]), _t([0.5, -0.5]), _t([1, 1]), BapoConfig(), token_weights=_t([1.0, bad]))
+
+
+def test_weighted_contributions_by_hand():
+    """P and N sum w |A| r over the tokens that pass gradient; a weight-0 token counts for nothing."""
+    cfg = BapoConfig(dual_clip=None)
+    hg = bound_grid(cfg.high_start, cfg.high_max, cfg.high_step, clamp_to_stop=False)
+    lg = bound_grid(cfg.low_start, cfg.low_max, cfg.low_step, clamp_to_stop=False)
+    r, a, w = _t([1.1, 1.0, 0.9, 0.7]), _t([2.0, 1.0, -1.0, -3.0]), _t([0.5, 0.0, 2.0, 1.5])
+    vec = contribution_vectors(r, a, _t([1, 1, 1, 1]), cfg, hg, lg, token_weights=w)
+    P, N = vec[0].item(), vec[hg.numel()].item()  # c_high = 1.2, c_low = 0.6: every token passes
+    assert P == pytest.approx(0.5 * 2.0 * 1.1)
+    assert N == pytest.approx(2.0 * 1.0 * 0.9 + 1.5 * 3.0 * 0.7)
+    res = search_clip_bounds(r, a, _t([1, 1, 1, 1]), cfg, token_weights=w)
+    assert res.pos_contribution == pytest.approx(P) and res.rho_initial == pytest.approx(P / (P + N))
 
 
 def test_shape_and_weight_errors_name_the_argument():
@@ -264,6 +302,8 @@ def test_shape_and_weight_errors_name_the_argument():
         search_clip_bounds(_t([1.0]), _t([1.0, 2.0]), _t([1, 1]), BapoConfig())
     with pytest.raises(ValueError, match="rollout_logprobs"):
         search_clip_bounds(_t([1.0]), _t([1.0]), _t([1]), BapoConfig(weight="rollout_prob"))
+    with pytest.raises(ValueError, match="token_weights"):
+        search_clip_bounds(_t([1.0]), _t([1.0]), _t([1]), BapoConfig(), token_weights=_t([1.0, 2.0]))
 
 
 def test_float32_inputs_and_grid_never_accumulates_floats():

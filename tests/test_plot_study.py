@@ -53,3 +53,21 @@ def test_a_run_without_metrics_is_an_error_naming_it(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert res.returncode == 2 and "run 'x'" in res.stderr
+
+
+def test_runs_with_mismatch_metrics_get_a_mismatch_table(tmp_path):
+    for name, kl in (("r1", 1e-3), ("r2", 3e-3)):
+        writer = MetricsWriter(tmp_path / name / "tb")
+        for step in range(1, 5):
+            writer.log(step, {"eval/t/avg@4": 0.1, "mismatch/kl_k3": kl * step, "correction/weight_mean": 0.99})
+        writer.close()
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(ROOT / "tools/plot_study.py"), "--out", str(out), "--runs",
+                          f"tis={tmp_path / 'r1'},{tmp_path / 'r2'}"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    text = (out / "table.md").read_text()
+    row = next(line for line in text.split("Training-inference mismatch")[1].splitlines() if line.startswith("| tis"))
+    means = [statistics.fmean([k * s for s in range(1, 5)]) for k in (1e-3, 3e-3)]
+    assert row.split("|")[2].strip() == f"{statistics.fmean(means):.2e} +- {statistics.stdev(means):.2e}"
+    assert row.split("|")[-2].strip() == "-"  # masked share never logged
+    assert (out / "mismatch.png").stat().st_size > 1000

@@ -6,7 +6,8 @@
    (Before the temperature reached the trainer this KL was ~1e-2 on the same model.) A tiny Qwen3
    (per-head q/k norms, head_dim 32 on a 64 hidden size, untied head) runs 3 BAPO steps on one process
    (disk weight sync) and under TP 2 (distributed gloo sync): every step's update is on-policy after the
-   weight sync, KL below 1e-6.
+   weight sync, KL below 1e-6. With a bf16 built-in server and `old_logprobs: recompute` (TIS) under
+   TP 2 the mismatch is logged and each update still starts on-policy (ratio 1, KL < 1e-8).
 2. The rehearsal: a tiny model with the 32B config's knobs all at once (TP 2 with SP, PP 2, CP 2:
    8 ranks; full recompute, distributed optimizer, temperature 0.6, packing, partial rollout,
    distributed gloo weight sync) runs a few RL steps, and every step's loss, log-prob statistics
@@ -128,6 +129,21 @@ def test_first_update_sees_the_servers_logprobs_at_temperature(request, tmp_path
         assert [m["step"] for m in updates] == [1, 2, 3], [m["step"] for m in updates]
         assert all(abs(m["actor/kl_k1"]) < 1e-6 and abs(m["actor/ratio_mean"] - 1.0) < 1e-6 for m in updates), updates
         assert all(m["actor/grad_norm"] > 0 and m["actor/loss"] != 0 for m in updates), updates
+
+
+def test_recompute_with_a_bf16_server_through_the_cli_under_tp2(assets, tmp_path):
+    """The trainer's path (scatter over the gloo group, metrics.jsonl): a bf16 built-in server
+    (`rollout.builtin_server_dtype`), `old_logprobs: recompute` with TIS under TP 2. The mismatch is
+    measured and logged, and every update starts on-policy against the recomputed log-probs."""
+    metrics = _run(_config(assets, tmp_path / "recompute"), 2, "actor.parallel.tp=2", "trainer.total_steps=2",
+                   "rollout.builtin_server_dtype=bfloat16", "actor.old_logprobs=recompute",
+                   "actor.correction.mode=tis")
+    updates = [m for m in metrics if "actor/kl" in m]
+    assert [m["step"] for m in updates] == [1, 2]
+    for m in updates:
+        assert abs(m["actor/ratio_mean"] - 1.0) < 1e-6 and abs(m["actor/kl"]) < 1e-8, m
+        assert m["mismatch/num_tokens"] > 50 and 0 < m["mismatch/kl_k3"] < 1e-3, m  # bf16: small, not zero
+        assert 0 < m["correction/weight_mean"] <= 2.0
 
 
 RECIPE = dict(

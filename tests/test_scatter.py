@@ -65,7 +65,12 @@ def test_each_rank_receives_exactly_its_slice(run_dist):
         # tokens only where they are read: ids on the first stage, labels and loss inputs on the last
         assert ("input_ids" in keys) == (rank < 4) and ("labels" in keys) == (rank >= 4)
         assert "advantages" in keys or rank < 4
-        assert not keys & {"position_ids", "row", "col", "attention_mask"}
+        assert not keys & {"position_ids", "col", "attention_mask"}
+        # the sequence index and the version lag (3 - 2) reach the loss for the mismatch statistics
+        assert ("row" in keys) == ("lag" in keys) == (rank >= 4)
+        for mb in (mb for m in got.minibatches for mb in m.microbatches if rank >= 4):
+            on = mb["loss_mask"] > 0
+            assert bool((mb["lag"][on] == 1).all()) and bool((mb["row"][on] >= 0).all())
     # Each token reaches exactly one DP x CP rank per stage (sequences rounded up to 2 * cp slots).
     lengths = _batch()["attention_mask"].sum(-1).tolist()
     slots = sum(-(-n // 4) * 4 for n in lengths)

@@ -319,3 +319,24 @@ def test_limit_flags_have_defaults_and_are_validated():
     for flag in ("--max-sampling-n", "--max-batch-size", "--max-body-bytes", "--max-prompt-tokens", "--max-prompt-chars"):
         with pytest.raises(ValueError, match=flag.lstrip("-").replace("-", "_")):
             parse_args(["--model-path", "/m", flag, "0"])
+
+
+def test_dtype_flag_serves_the_model_in_that_dtype_and_refuses_others(tiny_hf_dir, capsys):
+    """`--dtype bfloat16` (SGLang's flag) loads the served model in bf16, also on a disk update; a dtype
+    the CPU server does not serve is refused at the command line, naming the choices."""
+    import torch
+
+    from megatron_bapo.server.app import build_state
+    from megatron_bapo.server.config import ServerConfig, parse_args
+    from megatron_bapo.server.weights import load_model
+
+    assert parse_args(["--model-path", "/m"]).dtype == "float32"
+    assert parse_args(["--model-path", "/m", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "/m", "--dtype", "float16"])
+    assert "bfloat16" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="dtype"):
+        ServerConfig(model_path="/m", dtype="half").validate()
+    state = build_state(ServerConfig(model_path=str(tiny_hf_dir), dtype="bfloat16", skip_tokenizer_init=True))
+    assert {p.dtype for p in state.engine.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in load_model(str(tiny_hf_dir), state.config.dtype).parameters()} == {torch.bfloat16}

@@ -5,7 +5,8 @@
 
 Reads each run's `tb/metrics.jsonl` (written by the trainer). Writes `table.md` (per preset: eval
 accuracy at the start, at the end and its best, each as mean +- std over seeds with the per-seed
-values; final train reward, entropy and clip bounds) and small PNGs (seed-mean curves with a
+values; final train reward, entropy and clip bounds; and, when the runs log `mismatch/*`, a second
+table of the training-inference mismatch and the importance corrections) and small PNGs (seed-mean curves with a
 min-max band) to `--out`. A single seed is a valid input; the std column then reads 0.
 """
 
@@ -29,7 +30,20 @@ PLOTS = {
                                   ["bapo/rho_before", "bapo/rho_after"]),
     "clip_fractions.png": ("Clipped token fraction by advantage sign", ["actor/clipfrac_pos", "actor/clipfrac_neg"]),
     "grad_norm.png": ("Gradient norm", ["actor/grad_norm"]),
+    "mismatch.png": ("KL(rollout || train) by version lag (lag 0: mismatch only)",
+                     ["mismatch/kl_k3", "mismatch/lag1/kl_k3", "mismatch/lag3plus/kl_k3"]),
+    "correction.png": ("Importance correction (recompute): mean weight", ["correction/weight_mean"]),
 }
+LOG_SCALE = {"mismatch.png"}
+"""Plots whose values span orders of magnitude (lag-0 mismatch vs drift)."""
+MISMATCH_COLUMNS = (
+    ("KL lag 0", "mismatch/kl_k3", ".2e"), ("mean abs d lag 0", "mismatch/abs_diff_mean", ".2e"),
+    ("KL lag 1", "mismatch/lag1/kl_k3", ".2e"), ("KL lag 2", "mismatch/lag2/kl_k3", ".2e"),
+    ("KL lag 3+", "mismatch/lag3plus/kl_k3", ".2e"), ("outside band lag 3+", "mismatch/lag3plus/frac_outside_band", ".3f"),
+    ("ratio KL (actor/kl)", "actor/kl", ".2e"), ("clipped", "actor/clipfrac", ".3f"),
+    ("weight mean", "correction/weight_mean", ".4f"), ("masked", "correction/masked_frac", ".4f"),
+)
+"""Columns of the mismatch table (means over every step, then over seeds), written when runs log `mismatch/*`."""
 
 
 def _resolve(records: list[dict], tag: str) -> str:
@@ -108,6 +122,20 @@ def _table(runs: dict[str, list[list[dict]]]) -> list[str]:
     return lines
 
 
+def _mismatch_table(runs: dict[str, list[list[dict]]]) -> list[str]:
+    """Per preset: each `MISMATCH_COLUMNS` metric averaged over the steps that log it, mean +- std over seeds."""
+    lines = ["| preset | " + " | ".join(name for name, _, _ in MISMATCH_COLUMNS) + " |",
+             "|---|" + "---|" * len(MISMATCH_COLUMNS)]
+    for name, seeds in runs.items():
+        cells = []
+        for _, tag, fmt in MISMATCH_COLUMNS:
+            per_seed = [statistics.fmean(s.values()) for s in (_series(r, tag) for r in seeds) if s]
+            std = statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0
+            cells.append(f"{statistics.fmean(per_seed):{fmt}} +- {std:{fmt}}" if per_seed else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", required=True, help="name=run_dir[,run_dir...] (one dir per seed)")
@@ -141,7 +169,7 @@ def main() -> None:
                 steps, mean, lo, hi = _across_seeds(seeds, tag, window=10 if "reward" in tag else 1)
                 if not steps:
                     continue
-                label = name if len(tags) == 1 else f"{name} {tag.split('/')[-1]}"
+                label = name if len(tags) == 1 else f"{name} {tag.split('/', 1)[-1]}"
                 (line,) = ax.plot(steps, mean, label=label, linewidth=1.4)
                 if len(seeds) > 1:
                     ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
@@ -149,6 +177,8 @@ def main() -> None:
         if not drawn:
             plt.close(fig)
             continue
+        if filename in LOG_SCALE:
+            ax.set_yscale("log")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -158,6 +188,9 @@ def main() -> None:
         plt.close(fig)
 
     lines = _table(runs)
+    if any("mismatch/kl_k3" in r for seeds in runs.values() for records in seeds for r in records):
+        lines += ["", "Training-inference mismatch (means over the steps that log each metric):", ""]
+        lines += _mismatch_table(runs)
     (out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 

@@ -1,10 +1,18 @@
 """The Megatron actor: builds the model/optimizer and runs BAPO optimizer steps.
 
-One `train_step(batch)` = `ppo_epochs` x `n_minibatches` optimizer steps. Per mini-batch:
-  1. (search_scope "minibatch") forward-only pass over the mini-batch for the current log-probs;
+One `train_step(batch)` = `ppo_epochs` x `n_minibatches` optimizer steps. First, with
+`old_logprobs: recompute`, one forward-only pass over the whole batch with the step's starting
+weights: the old policy's log-probs, the importance corrections (`algorithms.importance`) and the
+`mismatch/*` metrics (`actor.mismatch`). Then per mini-batch:
+  1. (search_scope "minibatch") forward-only pass over the mini-batch for the current log-probs
+     (the first step reuses the recompute pass: the same weights, the same forward);
   2. `search_clip_bounds` on the last pipeline stage over the DP x CP group (one collective);
   3. megatron's `get_forward_backward_func()` over token-budget micro-batches with `policy_loss`;
   4. grad norm; a non-finite one skips the step on every rank; else optimizer + LR schedule step.
+The ratio's reference is the behavior log-probs (`old_logprobs: rollout`; the first step's loss
+forward then also measures the mismatch) or the recomputed ones. The per-step inputs of the loss
+(temperature, bounds, denominator: `StepInputs`; old log-probs and importance weights: per-token
+entries of the step's micro-batches) are passed down explicitly.
 
 A step trains on this rank's slice of the batch (`actor.scatter`: its DP rank's micro-batches, its
 context-parallel chunks, its pipeline stage's keys), cut here from the global batch or received from
@@ -27,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -38,6 +47,8 @@ from megatron_bapo.actor.config import ActorConfig
 from megatron_bapo.actor.layout import POSITION_KEYS, MicroBatchLayout, local_position_ids
 from megatron_bapo.actor.logprobs import vocab_parallel_logprobs
 from megatron_bapo.actor.metrics import MetricSums, acc_keys, average_steps
+from megatron_bapo.actor.mismatch import BUCKETS, FINAL_KEYS, MismatchSums, mismatch_metrics, warn_if_large
+from megatron_bapo.actor.old_policy import recomputed_entries
 from megatron_bapo.actor.scatter import (
     BatchSpec,
     MiniBatchWork,
@@ -54,6 +65,19 @@ from megatron_bapo.models.layer_spec import describe_attention, resolve_layer_sp
 from megatron_bapo.models.parallel import ParallelGroups, initialize_model_parallel
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What an optimizer step's loss needs besides its micro-batch, decided per step and passed down
+    explicitly (never parked on the actor)."""
+
+    temperature: float
+    """Sampling temperature of the batch: log-probs are those of softmax(logits / temperature)."""
+    denominator: float
+    """Aggregation denominator over the loss-token count (`MiniBatchWork.denominator`)."""
+    bounds: Optional[tuple[float, float]] = None
+    """(c_low, c_high) of the step; None: searched per micro-batch inside the loss (search_scope microbatch)."""
 
 
 class Actor:
@@ -128,10 +152,13 @@ class Actor:
         )
         self.num_updates = 0
         self.num_skipped_steps = 0
-        self.phase_times = {"search": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
+        self.phase_times = {"recompute": 0.0, "search": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
         """This rank's wall seconds per phase of the last `train_step`, summed over its optimizer steps:
-        the forward-only pass + bound search, forward/backward, grad norm + optimizer (diagnostics,
-        e.g. benchmarks/gpu_bench.py; they differ across ranks, unlike the returned metrics)."""
+        the recompute pass (old_logprobs recompute), the forward-only pass + bound search,
+        forward/backward, grad norm + optimizer (diagnostics, e.g. benchmarks/gpu_bench.py; they
+        differ across ranks, unlike the returned metrics)."""
+        self.mismatch_checked = False
+        """The first update's mismatch was checked against `mismatch.warn_kl` (warned at most once)."""
         logger.info("actor built: %s parameters on this rank, %s, %s micro-batches, %s optimizer",
                     f"{sum(p.numel() for m in self.model for p in m.parameters()):,}", config.dtype,
                     "packed" if config.packing else "padded",
@@ -253,42 +280,97 @@ class Actor:
         (the trainer's path: rank 0 prepared it, with its `current_version`).
         Staleness (`staleness/*`) counts optimizer steps: a token of version v trained in the k-th
         optimizer step of this call is `(current_version - v) * steps_per_call + k` steps stale
-        (`current_version` defaults to the newest version in the batch).
+        (`current_version` defaults to the newest version in the batch); the `mismatch/*` metrics
+        bucket tokens by their version lag `current_version - v` (actor.mismatch).
         Returns metrics averaged over the optimizer steps, identical on every rank.
         """
         if not isinstance(batch, RankBatch):
             batch = PreparedBatch(batch, self.batch_spec, current_version).for_rank(self.coords)
         self.phase_times = dict.fromkeys(self.phase_times, 0.0)
-        steps = [self._minibatch_step(batch.minibatches[i], batch.temperature) for i in batch.schedule]
+        old: Optional[list[list[dict]]] = None
+        mismatch: dict[str, float] = {}
+        if self.config.old_logprobs == "recompute":
+            old, mismatch = self._recompute_old_policy(batch)
+        steps = []
+        for k, i in enumerate(batch.schedule):
+            work = batch.minibatches[i]
+            measure = None
+            if old is None and k == 0:  # rollout: the first step's loss forward measures the mismatch
+                measure = MismatchSums(work.num_rows, self.config.mismatch, self.device)
+            steps.append(self._minibatch_step(work, batch.temperature, old=None if old is None else old[i],
+                                              reuse_search=old is not None and k == 0, measure=measure))
+            if measure is not None:
+                mismatch = self._mismatch_metrics(measure)
         out = average_steps(steps)
         out["actor/num_optimizer_steps"] = float(len(steps))
         out["actor/skipped_steps_total"] = float(self.num_skipped_steps)
         out.update(batch.metrics)
+        out.update(mismatch)
+        if not self.mismatch_checked:
+            self.mismatch_checked = warn_if_large(out, self.config.mismatch, logger, emit=self.parallel.rank == 0)
         return out
+
+    def _recompute_old_policy(self, batch: RankBatch) -> tuple[list[list[dict]], dict[str, float]]:
+        """The old policy of `old_logprobs: recompute`: one forward-only pass over every mini-batch with
+        the step's starting weights. Returns, per mini-batch, the per-micro-batch entries the loss reads
+        (`old_logprobs`, `is_weights`; last pipeline stage only, empty elsewhere) and the `mismatch/*`
+        metrics of the whole batch. Collectives: the passes' own, then over DP x CP one SUM and one MAX
+        all-reduce (plus one SUM for seq_mis's sequence sums), and a broadcast over PP."""
+        t0 = time.perf_counter()
+        passes = [[] if work.skip else self._forward_only(work.microbatches, batch.temperature)
+                  for work in batch.minibatches]
+        measure = MismatchSums(sum(w.num_rows for w in batch.minibatches), self.config.mismatch, self.device)
+        old: list[list[dict]] = [[] for _ in batch.minibatches]
+        if self.parallel.is_last_stage:
+            old = recomputed_entries(batch.minibatches, passes, self.config.correction, measure, self.device,
+                                     self._search_group())
+        self.phase_times["recompute"] += time.perf_counter() - t0
+        return old, self._mismatch_metrics(measure)
+
+    def _mismatch_metrics(self, measure: MismatchSums) -> dict[str, float]:
+        """`mismatch/*` from the last stage's sums (reduced over DP x CP there), identical on every rank."""
+        if self.parallel.is_last_stage:
+            measure.reduce(self._search_group())
+            vec = measure.finalize()
+        else:
+            vec = torch.zeros(len(BUCKETS) * len(FINAL_KEYS), dtype=torch.float64, device=self.device)
+        return mismatch_metrics(self._share_from_last_stage(vec, reduce_dp=False))
 
     def _search_group(self):
         g = self.parallel.dp_cp_group
         return g if dist.get_world_size(g) > 1 else None
 
-    def _search(self, lp, beh, adv, mask, acc: MetricSums):
-        ratio = torch.exp(clamped_log_ratio(lp.detach().float(), beh) * mask)
-        res = search_clip_bounds(ratio, adv, mask, self.config.bapo, rollout_logprobs=beh, group=self._search_group())
+    def _search(self, lp, ref, beh, adv, mask, weights, acc: MetricSums):
+        """Bounds for the ratio exp(lp - ref) (ref: behavior or recomputed old log-probs), each token's
+        contribution weighted by its importance correction as in the loss."""
+        ratio = torch.exp(clamped_log_ratio(lp.detach().float(), ref) * mask)
+        res = search_clip_bounds(ratio, adv, mask, self.config.bapo, rollout_logprobs=beh, token_weights=weights,
+                                 group=self._search_group())
         acc.add_search(res.c_low, res.c_high, res.rho_initial, res.rho, res.num_steps)
         return res
 
-    def _train_loss(self, bounds, acc: MetricSums, denominator: float, temperature: float, mb: dict,
+    def _train_loss(self, step: StepInputs, acc: MetricSums, measure: Optional[MismatchSums], mb: dict,
                     logits: torch.Tensor):
-        lp, ent = self._logprobs(mb, logits, temperature)
+        lp, ent = self._logprobs(mb, logits, step.temperature)
         dev = lp.device
         mask, beh, adv, weights = (mb[k].to(dev) for k in ("loss_mask", "behavior_logprobs", "advantages", "weights"))
+        ref = mb["old_logprobs"] if "old_logprobs" in mb else beh  # the ratio's reference (old_logprobs)
+        is_weights = mb.get("is_weights")
+        if measure is not None:  # rollout: before the first update, the trainer's log-probs vs the rollout's
+            measure.add(lp, beh, mask, mb["lag"], mb["row"])
+        bounds = step.bounds
         if bounds is None:  # search_scope "microbatch": one collective per micro-batch, same count on all ranks
-            res = self._search(lp, beh, adv, mask, acc)
+            res = self._search(lp, ref, beh, adv, mask, is_weights, acc)
             bounds = (res.c_low, res.c_high)
         loss, stats = policy_loss(
-            lp, beh, adv, mask, bounds[0], bounds[1], dual_clip=self.config.bapo.dual_clip,
-            token_weights=weights, denominator=denominator,
+            lp, ref, adv, mask, bounds[0], bounds[1], dual_clip=self.config.bapo.dual_clip,
+            token_weights=weights if is_weights is None else weights * is_weights, denominator=step.denominator,
         )
-        stats["sum_entropy"] = (ent.detach().double() * mask.double()).sum()
+        maskd = mask.double()
+        stats["sum_entropy"] = (ent.detach().double() * maskd).sum()
+        stats["sum_is_weight"] = maskd.sum() if is_weights is None else (is_weights.double() * maskd).sum()
+        stats["num_is_masked"] = torch.zeros((), dtype=torch.float64, device=dev) if is_weights is None else (
+            (is_weights == 0).double() * maskd).sum()
         stats["sum_objective"] = loss.detach().double()
         stats["count"] = stats["num_tokens"]
         return loss, stats["num_tokens"].round().to(torch.int).reshape(()), stats
@@ -307,34 +389,49 @@ class Actor:
         out.update({"actor/grad_norm": float("nan"), "actor/lr": float(self.optimizer.param_groups[0]["lr"])})
         return out
 
-    def _minibatch_step(self, work: MiniBatchWork, temperature: float) -> dict[str, float]:
+    def _minibatch_step(self, work: MiniBatchWork, temperature: float, *, old: Optional[list[dict]] = None,
+                        reuse_search: bool = False, measure: Optional[MismatchSums] = None) -> dict[str, float]:
+        """One optimizer step. `old`: the recompute pass's per-micro-batch entries (old log-probs,
+        importance weights; last stage), None for `old_logprobs: rollout`; `reuse_search`: the
+        weights have not changed since that pass, so it is the search pass too; `measure`: collect
+        the mismatch metrics from this step's loss forward (rollout, first step)."""
         # The check ran on the whole mini-batch where the batch was prepared: every rank agrees.
         if work.skip:
             self._skip("non-finite behavior log-probs or advantages on loss tokens")
             return self._skipped_metrics()
         mbs = work.microbatches
+        if old:  # the last stage's micro-batches carry the step's per-token inputs explicitly
+            mbs = [dict(mb, **extra) for mb, extra in zip(mbs, old)]
         acc = MetricSums(self.device)
         bounds = None
         t0 = time.perf_counter()
         if self.config.search_scope == "minibatch":
-            stored = self._forward_only(mbs, temperature)
+            if reuse_search:
+                stored = [{"lp": mb["old_logprobs"]} for mb in mbs] if old else []
+            else:
+                stored = self._forward_only(mbs, temperature)
             if self.parallel.is_last_stage:
                 # Everything stays on the device: the search's one collective runs over the DP x CP
                 # group, a device (NCCL) group on GPUs (docs/parallelism.md).
                 dev = self.device
                 masks = [mb["loss_mask"].to(dev) > 0 for mb in mbs]
+
+                def cat(key: str) -> torch.Tensor:
+                    return torch.cat([mb[key].to(dev)[k] for mb, k in zip(mbs, masks)])
+
                 lp = torch.cat([r["lp"].float()[k] for r, k in zip(stored, masks)])
-                beh = torch.cat([mb["behavior_logprobs"].to(dev)[k] for mb, k in zip(mbs, masks)])
-                adv = torch.cat([mb["advantages"].to(dev)[k] for mb, k in zip(mbs, masks)])
-                res = self._search(lp, beh, adv, torch.ones_like(lp), acc)
+                beh = cat("behavior_logprobs")
+                ref = cat("old_logprobs") if old else beh
+                weights = cat("is_weights") if old else None
+                res = self._search(lp, ref, beh, cat("advantages"), torch.ones_like(lp), weights, acc)
                 bounds = (res.c_low, res.c_high)
         t1 = time.perf_counter()  # the search's result is on the host: the pass has finished
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        stored = self._run(mbs, partial(self._train_loss, bounds, acc, work.denominator, temperature),
-                           forward_only=False)
+        step = StepInputs(temperature=temperature, denominator=work.denominator, bounds=bounds)
+        stored = self._run(mbs, partial(self._train_loss, step, acc, measure), forward_only=False)
         for stats in stored:
             acc.add_stats(stats)
         sums = self._share_from_last_stage(acc.sums)

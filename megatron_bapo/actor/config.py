@@ -5,13 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_bapo.actor.mismatch import MismatchConfig
 from megatron_bapo.algorithms import BapoConfig
+from megatron_bapo.algorithms.importance import CorrectionConfig
 from megatron_bapo.models.layer_spec import LAYER_SPECS
 from megatron_bapo.models.parallel import ParallelConfig
 
 SEARCH_SCOPES = ("minibatch", "microbatch")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 RECOMPUTE_MODES = ("none", "selective", "full")
+OLD_LOGPROBS = ("rollout", "recompute")
 
 
 @dataclass
@@ -99,6 +102,17 @@ class ActorConfig:
     dense masks, all-gather context parallel; runs anywhere), or "auto" (TE when CUDA is present and
     TE imports; TE installed but failing to import is an error with TE's message). The actor logs
     which one runs."""
+    old_logprobs: str = "rollout"
+    """The old policy PPO's ratio and clip are taken against: "rollout" (the behavior log-probs the
+    servers returned; the paper's and this project's default) or "recompute" (the trainer's own
+    log-probs at the start of the step, one forward-only pass over the batch that the first
+    mini-batch's search pass reuses, as verl and AReaL's decoupled PPO do; the behavior log-probs then
+    enter only through `correction`). docs/bapo.md, "Training-inference mismatch"."""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """With `old_logprobs: recompute`: the importance correction (`mode`: none | tis | mis | seq_mis,
+    `tis_cap`, `band`) that multiplies each token's loss term and bound-search contribution."""
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    """The `mismatch/*` metrics' ratio band and the first update's warning threshold."""
     recompute: str = "none"
     """Activation recomputation: "none"; "selective" (megatron's core-attention recompute); "full"
     (every layer, uniform, 1 layer per checkpoint: keeps only each layer's input, the planner's
@@ -119,6 +133,10 @@ class ActorConfig:
             self.bapo = BapoConfig(**self.bapo)
         if isinstance(self.parallel, dict):
             self.parallel = ParallelConfig(**self.parallel)
+        if isinstance(self.correction, dict):
+            self.correction = CorrectionConfig(**self.correction)
+        if isinstance(self.mismatch, dict):
+            self.mismatch = MismatchConfig(**self.mismatch)
         if self.max_tokens_per_microbatch < 1:
             raise ValueError(f"ActorConfig.max_tokens_per_microbatch must be >= 1, got {self.max_tokens_per_microbatch}")
         if self.n_minibatches < 1:
@@ -135,6 +153,14 @@ class ActorConfig:
             raise ValueError(f"ActorConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         if self.layer_spec not in LAYER_SPECS:
             raise ValueError(f"ActorConfig.layer_spec must be one of {LAYER_SPECS}, got {self.layer_spec!r}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"ActorConfig.old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
+        if self.correction.mode != "none" and self.old_logprobs != "recompute":
+            raise ValueError(
+                f"ActorConfig.correction.mode={self.correction.mode!r} needs old_logprobs='recompute' (with 'rollout' "
+                "the ratio is already taken against the behavior log-probs); set actor.old_logprobs: recompute or "
+                "actor.correction.mode: none"
+            )
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"ActorConfig.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.parallel.vpp and not self.packing:

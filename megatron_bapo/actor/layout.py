@@ -3,7 +3,7 @@
 The actor's batch is ALIGNED TO THE TOKEN (`[b, t]` concerns `input_ids[b, t]`). The model's output
 at position t predicts token t+1, so a micro-batch is built PREDICTION-ALIGNED instead: position t
 carries the input token `ids[t]`, its label `ids[t+1]`, and the label's loss mask, behavior
-log-prob, advantage and aggregation weight, plus the label's coordinates `(row, col)` in the
+log-prob, advantage, aggregation weight and version lag, plus the label's coordinates `(row, col)` in the
 global batch (-1 where position t predicts nothing: the last real token and padding). The shift
 happens on the full sequence BEFORE any context-parallel slicing, because with CP a chunk's last
 token predicts the first token of a chunk that another rank may hold.
@@ -30,8 +30,9 @@ import torch
 
 from megatron_bapo.models.context_parallel import chunk_index, packed_index
 
-POSITION_KEYS = ("loss_mask", "behavior_logprobs", "advantages", "weights")
-"""Per-token tensors that travel with their token (moved to the position that predicts it)."""
+POSITION_KEYS = ("loss_mask", "behavior_logprobs", "advantages", "weights", "lag")
+"""Per-token tensors that travel with their token (moved to the position that predicts it); `lag` is
+the token's version lag (policy versions between its sampler and the trained weights)."""
 
 
 @dataclass(frozen=True)

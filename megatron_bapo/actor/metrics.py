@@ -19,7 +19,7 @@ from megatron_bapo.algorithms.policy_loss import finalize_loss_metrics
 SUM_KEYS = (
     "num_tokens", "num_seqs", "num_pos_tokens", "num_neg_tokens", "num_clipped_pos", "num_clipped_neg",
     "num_dual_clipped", "sum_kl_k1", "sum_kl_k3", "sum_ratio", "sum_loss", "sum_entropy", "sum_objective",
-    "count",
+    "count", "sum_is_weight", "num_is_masked",
 )
 SEARCH_KEYS = ("c_low", "c_high", "rho_before", "rho_after", "search_steps", "num_searches")
 
@@ -64,6 +64,9 @@ class MetricSums:
         out["actor/entropy"] = sums["sum_entropy"] / num
         out["actor/loss"] = sums["sum_objective"] / max(sums["count"], 1.0)
         out["actor/num_loss_tokens"] = sums["num_tokens"]
+        # The importance corrections of old_logprobs recompute (1 and 0 without one).
+        out["correction/weight_mean"] = sums["sum_is_weight"] / num
+        out["correction/masked_frac"] = sums["num_is_masked"] / num
         k = max(search["num_searches"], 1.0)
         for key in ("c_low", "c_high", "rho_before", "rho_after", "search_steps"):
             out[f"bapo/{key}"] = search[key] / k

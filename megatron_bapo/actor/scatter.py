@@ -13,13 +13,14 @@ those only what its pipeline stage reads:
 |--------------------|------------------------------------------------------------------|
 | every stage        | shape, `cu_seqlens` / `max_seqlen` (packed)                      |
 | first (embedding)  | `input_ids`                                                      |
-| last (loss)        | `labels` and the `POSITION_KEYS` (loss mask, behavior log-probs, |
-|                    | advantages, aggregation weights)                                 |
+| last (loss)        | `labels`, `row` (the token's sequence in its mini-batch) and the |
+|                    | `POSITION_KEYS` (loss mask, behavior log-probs, advantages,      |
+|                    | aggregation weights, version lag)                                |
 
 Position ids are rebuilt on the rank from the layout. `scatter_batch` sends each rank its slice
 over a gloo group (sizes broadcast, then one point-to-point message per rank; ranks that differ
-only in their TP rank get the same bytes, serialised once). On the wire ids are int32 and the loss
-mask is bool. `docs/parallelism.md` states the bytes per step; `benchmarks/bench_scatter.py`
+only in their TP rank get the same bytes, serialised once). On the wire ids and rows are int32, the
+loss mask is bool and the version lag uint8 (clamped to 255). `docs/parallelism.md` states the bytes per step; `benchmarks/bench_scatter.py`
 measures them. With every rank holding the global batch (tests, one process), `Actor.train_step`
 cuts its own slice the same way, without communication.
 """
@@ -47,10 +48,15 @@ from megatron_bapo.algorithms import aggregation_weights
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "advantages")
 FIRST_STAGE_KEYS = ("input_ids",)
-LAST_STAGE_KEYS = ("labels",) + POSITION_KEYS
+LAST_STAGE_KEYS = ("labels", "row") + POSITION_KEYS
 SHAPE_KEYS = ("cu_seqlens", "max_seqlen", "shape")
-_WIRE_DTYPES = {"input_ids": torch.int32, "labels": torch.int32, "loss_mask": torch.bool}
-"""Narrower dtypes on the wire (restored on receipt): token ids < 2^31, a 0/1 mask."""
+_WIRE_DTYPES = {"input_ids": torch.int32, "labels": torch.int32, "row": torch.int32, "loss_mask": torch.bool,
+                "lag": torch.uint8}
+"""Narrower dtypes on the wire (restored on receipt): token ids and rows < 2^31, a 0/1 mask, lags <= 255."""
+_RESTORE_DTYPES = {"input_ids": torch.long, "labels": torch.long, "row": torch.long, "loss_mask": torch.float32,
+                   "lag": torch.float32}
+MAX_LAG = 255
+"""Version lags are clamped to this (the metrics bucket them as 0, 1, 2, 3+)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,8 @@ class MiniBatchWork:
     denominator: float
     """Aggregation denominator over the loss-token count (megatron divides by the count itself)."""
     microbatches: list[dict] = field(default_factory=list)
+    num_rows: int = 0
+    """Sequences in the mini-batch (micro-batch `row` values lie in [0, num_rows))."""
 
 
 @dataclass
@@ -124,8 +132,10 @@ def check_batch(batch: dict[str, Any], keys: Sequence[str] = REQUIRED_KEYS) -> f
     return temperature
 
 
-def prepare_tensors(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Typed copies; loss only on real tokens after position 0 (it has no prediction)."""
+def prepare_tensors(batch: dict[str, torch.Tensor], current_version: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """Typed copies; loss only on real tokens after position 0 (it has no prediction); each token's
+    version lag `current_version - versions` in [0, MAX_LAG] (`current_version` None: the newest
+    version on a loss token; no `versions`: every token is on-policy, lag 0)."""
     out = {
         "input_ids": batch["input_ids"].long(),
         "attention_mask": batch["attention_mask"].long(),
@@ -135,6 +145,12 @@ def prepare_tensors(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     mask = (batch["loss_mask"] > 0) & (out["attention_mask"] > 0)
     mask[:, 0] = False
     out["loss_mask"] = mask.float()
+    versions = batch.get("versions")
+    if versions is None or not bool(mask.any()):
+        out["lag"] = torch.zeros(mask.shape, dtype=torch.float32)
+    else:
+        current = float(versions[mask].max()) if current_version is None else float(current_version)
+        out["lag"] = (current - versions.to(torch.float64)).clamp(0, MAX_LAG).float()
     return out
 
 
@@ -179,11 +195,12 @@ class PreparedBatch:
     def __init__(self, batch: dict[str, Any], spec: BatchSpec, current_version: Optional[int] = None) -> None:
         self.spec = spec
         self.temperature = check_batch(batch)
-        data = prepare_tensors(batch)
+        data = prepare_tensors(batch, current_version)
         self.num_tokens = int(data["attention_mask"].sum())
         slices = batching.minibatch_slices(data["input_ids"].shape[0], spec.n_minibatches)
         self.schedule = [i for _ in range(spec.ppo_epochs) for i in range(len(slices))]
         self.minibatches: list[tuple[dict, Optional[list], bool, float]] = []
+        self.rows_per_minibatch = slices[0].stop - slices[0].start if slices else 0
         for rows in slices:
             mini = {k: v[rows] for k, v in data.items()}
             keep = mini["loss_mask"] > 0
@@ -206,7 +223,8 @@ class PreparedBatch:
             if not skip and key not in self._built:  # pipeline stages of one DP x CP rank share them
                 self._built[key] = local_microbatches(mini, rows_plan, self.spec, coords.dp_rank, coords.cp_rank)
             mbs = [] if skip else [stage_view(mb, coords) for mb in self._built[key]]
-            work.append(MiniBatchWork(skip=skip, denominator=denominator, microbatches=mbs))
+            work.append(MiniBatchWork(skip=skip, denominator=denominator, microbatches=mbs,
+                                      num_rows=self.rows_per_minibatch))
         return RankBatch(temperature=self.temperature, num_tokens=self.num_tokens, minibatches=work,
                          schedule=list(self.schedule), metrics=dict(self.metrics))
 
@@ -217,7 +235,7 @@ def to_bytes(work: RankBatch) -> torch.Tensor:
     state = {
         "temperature": work.temperature, "num_tokens": work.num_tokens, "schedule": work.schedule,
         "metrics": work.metrics,
-        "minibatches": [{"skip": m.skip, "denominator": m.denominator,
+        "minibatches": [{"skip": m.skip, "denominator": m.denominator, "num_rows": m.num_rows,
                          "microbatches": [{k: (v.to(_WIRE_DTYPES[k]) if k in _WIRE_DTYPES else v)
                                            for k, v in mb.items()} for mb in m.microbatches]}
                         for m in work.minibatches],
@@ -229,10 +247,9 @@ def to_bytes(work: RankBatch) -> torch.Tensor:
 
 def from_bytes(payload: torch.Tensor) -> RankBatch:
     state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
-    restore = {"input_ids": torch.long, "labels": torch.long, "loss_mask": torch.float32}
     minibatches = [
-        MiniBatchWork(skip=m["skip"], denominator=m["denominator"],
-                      microbatches=[{k: (v.to(restore[k]) if k in restore else v) for k, v in mb.items()}
+        MiniBatchWork(skip=m["skip"], denominator=m["denominator"], num_rows=m["num_rows"],
+                      microbatches=[{k: (v.to(_RESTORE_DTYPES[k]) if k in _RESTORE_DTYPES else v) for k, v in mb.items()}
                                     for mb in m["microbatches"]])
         for m in state["minibatches"]
     ]

@@ -3,12 +3,14 @@
 - `BapoConfig` / presets: the clip-bound search space and balance definition (design §4).
 - `search_clip_bounds`: BAPO's adaptive bounds in one pass over tokens and one all-reduce.
 - `policy_loss`: the clipped (dual-clip) policy loss with a global token denominator.
+- `importance_weights` / `CorrectionConfig`: TIS / MIS / seq-MIS corrections for a recomputed old policy.
 - `grpo_advantages`: group-normalised advantages (GRPO, Dr. GRPO).
 """
 
 from megatron_bapo.algorithms.advantages import dr_grpo_advantages, grpo_advantages, uniform_group_mask
 from megatron_bapo.algorithms.bound_search import BoundSearchResult, balance_metric, bound_grid, search_clip_bounds
 from megatron_bapo.algorithms.config import PRESETS, BapoConfig
+from megatron_bapo.algorithms.importance import CORRECTIONS, CorrectionConfig, importance_weights
 from megatron_bapo.algorithms.policy_loss import (
     AGG_MODES,
     aggregation_weights,
@@ -19,6 +21,8 @@ from megatron_bapo.algorithms.policy_loss import (
 
 __all__ = [
     "AGG_MODES",
+    "CORRECTIONS",
+    "CorrectionConfig",
     "PRESETS",
     "BapoConfig",
     "BoundSearchResult",
@@ -29,6 +33,7 @@ __all__ = [
     "dr_grpo_advantages",
     "finalize_loss_metrics",
     "grpo_advantages",
+    "importance_weights",
     "policy_loss",
     "search_clip_bounds",
     "uniform_group_mask",

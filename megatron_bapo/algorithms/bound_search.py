@@ -96,12 +96,15 @@ def contribution_vectors(
     low_grid: torch.Tensor,
     rollout_logprobs: Optional[torch.Tensor] = None,
     *,
+    token_weights: Optional[torch.Tensor] = None,
     chunk_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Local (this rank's) `[P (len high_grid), N (len low_grid), extras]` in float64, one pass.
 
-    Shapes: `ratio`, `advantages`, `mask` (and `rollout_logprobs`) are equal-shaped, any rank.
-    Masked-out tokens are ignored entirely (their values may be anything, including NaN).
+    Shapes: `ratio`, `advantages`, `mask` (and `rollout_logprobs`, `token_weights`) are
+    equal-shaped, any rank. Masked-out tokens are ignored entirely (their values may be anything,
+    including NaN). `token_weights` (>= 0, e.g. `algorithms.importance` corrections) multiply each
+    token's contribution, as they multiply its term in the loss.
     Ratios are compared with the grid in the ratio's own dtype, as the loss compares them.
     `chunk_size` bounds the temporaries (default: 128k tokens on CPU, where cache-sized chunks are
     several times faster; up to 2^24 tokens on accelerators, where per-chunk token counts are
@@ -115,8 +118,8 @@ def contribution_vectors(
     chunk_size = max(1, min(chunk_size, 1 << 24))
 
     flat = [x.detach().reshape(-1) for x in (ratio, advantages, mask)]
-    if config.weight == "rollout_prob":
-        flat.append(rollout_logprobs.detach().reshape(-1))
+    flat.append(rollout_logprobs.detach().reshape(-1) if config.weight == "rollout_prob" else None)
+    flat.append(None if token_weights is None else token_weights.detach().reshape(-1))
     num_bins = num_k + num_j + 2  # positive bins [0, num_k], negative bins [num_k + 1, num_k + 1 + num_j]
     bins_r = torch.zeros(num_bins, dtype=torch.float64, device=device)
     bins_a = torch.zeros(num_bins, dtype=torch.float64, device=device) if config.contribution == "surrogate" else None
@@ -124,7 +127,7 @@ def contribution_vectors(
     total = flat[0].numel()
     work = _Workspace.get(min(chunk_size, total), binner.work, advantages.dtype, device)
     for start in range(0, total, chunk_size):
-        chunk = [x[start : start + chunk_size] for x in flat]
+        chunk = [None if x is None else x[start : start + chunk_size] for x in flat]
         _bin_chunk(chunk, config, binner, work.view(chunk[0].numel()), bins_r, bins_a, counts)
 
     # counts holds [nonfinite, tokens, pos - neg, -neg]: turn the last two into [pos, neg].
@@ -263,10 +266,10 @@ def _bin_chunk(chunk, config, binner: _BinIndex, ws: dict, bins_r, bins_a, count
     bool tensors and int64 arithmetic are several times slower than float ops), into the reused
     buffers of `ws`: this function is the whole cost of the search. Masked-out and zero-advantage
     tokens get zero weight (wherever their bin is); non-finite values are zeroed so they cannot
-    poison the sums, and counted.
+    poison the sums, and counted. `chunk`: ratio, advantages, mask, rollout log-probs (or None),
+    token weights (or None).
     """
-    r, a, m = chunk[0], chunk[1], chunk[2]
-    lp = chunk[3] if len(chunk) == 4 else None
+    r, a, m, lp, tw = chunk
     m01, probe, tmp = ws["mask"], ws["probe"], ws["tmp"]
     # mask -> exact 0/1 in the working dtype (any nonzero, NaN included, counts as "in", like bool()).
     if m.dtype == torch.bool:
@@ -275,8 +278,9 @@ def _bin_chunk(chunk, config, binner: _BinIndex, ws: dict, bins_r, bins_a, count
         (torch.abs(m, out=m01) if m.dtype == m01.dtype else m01.copy_(m).abs_()).clamp_(max=1).ceil_().nan_to_num_(1.0)
     # x - x is 0 for finite x and NaN for NaN/inf: one subtraction instead of isfinite's several ops.
     torch.sub(r, r, out=probe).add_(torch.sub(a, a, out=tmp))
-    if lp is not None:
-        probe.add_(torch.sub(lp, lp, out=tmp))
+    for extra in (lp, tw):
+        if extra is not None:
+            probe.add_(torch.sub(extra, extra, out=tmp))
     rf = torch.nan_to_num(r, 0.0, 0.0, 0.0, out=ws["ratio"])
     af = torch.nan_to_num(a, 0.0, 0.0, 0.0, out=ws["mag"])
     sign = torch.sign(af, out=ws["sign"])
@@ -291,12 +295,14 @@ def _bin_chunk(chunk, config, binner: _BinIndex, ws: dict, bins_r, bins_a, count
     if binner.dual is not None:
         # A negative token above the dual clip passes no gradient: weight 1 + neg * [r > c] = 0.
         mag.mul_(torch.sub(rf, binner.dual, out=tmp).clamp_(0, 1).ceil_().mul_(neg).add_(1))
-    if lp is not None or bins_a is not None:
+    if lp is not None or tw is not None or bins_a is not None:
         mag = ws["mag64"].copy_(mag)
     if lp is not None:
         # Masked-out log-probs may be huge or non-finite: exp(0) there, then times |A| * 0.
         lp0 = torch.where(m01 > 0, lp.nan_to_num(0.0, 0.0, 0.0), 0.0)
         mag.mul_(lp0.to(torch.float64).exp_())
+    if tw is not None:
+        mag.mul_(torch.where(m01 > 0, tw.nan_to_num(0.0, 0.0, 0.0), 0.0).to(torch.float64))
     # float32 x float32 products are exact in float64, so every rank bins the exact |A| r.
     bins_r.scatter_add_(0, index, ws["weight"].copy_(rf).mul_(mag))
     if bins_a is not None:
@@ -314,6 +320,7 @@ def search_clip_bounds(
     config: BapoConfig,
     *,
     rollout_logprobs: Optional[torch.Tensor] = None,
+    token_weights: Optional[torch.Tensor] = None,
     group: Optional["torch.distributed.ProcessGroup"] = None,
 ) -> BoundSearchResult:
     """Choose `(c_low, c_high)` for one optimizer step, exactly as the configured search loop would.
@@ -324,6 +331,9 @@ def search_clip_bounds(
         mask: 1 for tokens in the loss, 0 otherwise, same shape.
         config: search space, contribution definition, weights, metric, order.
         rollout_logprobs: behavior log-probs, required when `config.weight == "rollout_prob"`.
+        token_weights: per-token weights >= 0 that multiply each token's contribution, same shape:
+            the importance corrections the loss applies (`algorithms.importance`), so the search
+            sums exactly the gradient mass the loss applies. None: 1 for every token.
         group: process group holding the rest of the mini-batch (data-parallel x context-parallel);
             None means this process holds all of it. Exactly one all-reduce is issued over it, on
             the device its backend carries (`reduction_device`): the sums cost nothing to move
@@ -344,11 +354,16 @@ def search_clip_bounds(
             raise ValueError(
                 f"search_clip_bounds: rollout_logprobs {tuple(rollout_logprobs.shape)} must match ratio {tuple(ratio.shape)}"
             )
+    if token_weights is not None and token_weights.shape != ratio.shape:
+        raise ValueError(
+            f"search_clip_bounds: token_weights {tuple(token_weights.shape)} must match ratio {tuple(ratio.shape)}"
+        )
     clamp = config.order == "verl"
     high_grid = bound_grid(config.high_start, config.high_max, config.high_step, clamp_to_stop=clamp)
     low_grid = bound_grid(config.low_start, config.low_max, config.low_step, clamp_to_stop=clamp)
 
-    vec = contribution_vectors(ratio, advantages, mask, config, high_grid, low_grid, rollout_logprobs)
+    vec = contribution_vectors(ratio, advantages, mask, config, high_grid, low_grid, rollout_logprobs,
+                               token_weights=token_weights)
     if group is not None:
         vec = vec.to(reduction_device(group, vec.device))
         torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM, group=group)
@@ -358,7 +373,7 @@ def search_clip_bounds(
     num_nonfinite, num_tokens, num_pos, num_neg = (int(x) for x in sums[num_k + num_j :])
     if num_nonfinite:
         raise ValueError(
-            f"search_clip_bounds: {num_nonfinite} loss tokens have NaN/inf ratio, advantage or rollout log-prob "
+            f"search_clip_bounds: {num_nonfinite} loss tokens have NaN/inf ratio, advantage, rollout log-prob or weight "
             "(across the reduction group); check the log-probs and rewards feeding this step"
         )
 

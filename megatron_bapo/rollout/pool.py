@@ -84,7 +84,8 @@ class ServerPool:
 
         log_path = self.log_dir / f"server_{i}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        args = ["--random-seed", str(self.seed + i), "--weight-version", "0", *self.server_flags]
+        args = ["--random-seed", str(self.seed + i), "--weight-version", "0", "--dtype",
+                self.rollout.builtin_server_dtype, *self.server_flags]
         key = self.rollout.client.api_key or os.environ.get(API_KEY_ENV)
         if key:
             args += ["--api-key", key]

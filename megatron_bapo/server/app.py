@@ -301,7 +301,7 @@ def build_state(config: ServerConfig) -> ServerState:
     tokenizer = None
     if not config.skip_tokenizer_init:
         tokenizer = LockedTokenizer(AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path))
-    model = load_model(config.model_path)
+    model = load_model(config.model_path, config.dtype)
     ctx = config.context_length or int(getattr(model.config, "max_position_embeddings", 0) or 4096)
     engine = Engine(model, tokenizer, eos_ids=eos_token_ids(model, tokenizer), max_running=config.max_running_requests,
                     seed=config.random_seed, original_logprob=config.return_original_logprob,

@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
+SERVER_DTYPES = ("float32", "bfloat16")
+
 
 @dataclasses.dataclass
 class ServerConfig:
@@ -49,6 +51,11 @@ class ServerConfig:
     """torch intra-op threads (None: torch's default). 1 by default: decoding a small model is a chain of
     tiny ops where OpenMP synchronisation across cores costs more than it gains (measured on the
     2-core CI box: 1 thread ~300 tok/s vs 2 threads ~20-70 tok/s for one tiny-model request under load)."""
+    dtype: str = "float32"
+    """Parameter and activation dtype of the served model: "float32" (the trainer's CPU dtype: its
+    log-probs match the trainer's to ~1e-6) or "bfloat16" (as SGLang serves on GPUs: a real
+    training-inference mismatch against an fp32 trainer, with no GPU). Logits are cast to float32
+    before sampling and log-probs, as SGLang's sampler does."""
     return_original_logprob: bool = False
     """False (SGLang's default): a returned log-prob is from the temperature-scaled distribution
     (before top-p/top-k/min-p filtering). True: from the raw model distribution (temperature 1)."""
@@ -85,6 +92,8 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"ServerConfig.max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if self.dtype not in SERVER_DTYPES:
+            raise ValueError(f"ServerConfig.dtype must be one of {SERVER_DTYPES}, got {self.dtype!r} (--dtype)")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"ServerConfig.num_threads must be >= 1, got {self.num_threads}")
         for name in ("max_sampling_n", "max_batch_size", "max_body_bytes", "max_prompt_tokens", "max_prompt_chars"):
@@ -98,7 +107,7 @@ class ServerConfig:
 # Value is the argparse nargs: 0 = boolean switch, None = one value, "*" = a list.
 IGNORED_SGLANG_FLAGS: dict[str, object] = {
     "--tp-size": None, "--tp": None, "--dp-size": None, "--dp": None, "--pp-size": None, "--ep-size": None,
-    "--mem-fraction-static": None, "--trust-remote-code": 0, "--dtype": None, "--kv-cache-dtype": None,
+    "--mem-fraction-static": None, "--trust-remote-code": 0, "--kv-cache-dtype": None,
     "--chunked-prefill-size": None, "--max-prefill-tokens": None,
     "--cuda-graph-max-bs": None, "--cuda-graph-bs": "*", "--disable-cuda-graph": 0, "--disable-radix-cache": 0,
     "--attention-backend": None, "--sampling-backend": None, "--schedule-policy": None,
@@ -132,6 +141,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--dtype", default="float32", choices=SERVER_DTYPES,
+                   help="dtype of the served model (bfloat16: a real mismatch against an fp32 trainer)")
     p.add_argument("--return-original-logprob", action="store_true",
                    help="return log-probs of the raw (temperature 1) distribution instead of the scaled one")
     p.add_argument("--served-model-name", default=None)

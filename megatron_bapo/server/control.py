@@ -139,7 +139,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         taken = await state.acquire_writer(abort_all)
         try:
             try:
-                model = await asyncio.to_thread(load_model, path)
+                model = await asyncio.to_thread(load_model, path, state.config.dtype)
             except Exception as exc:  # noqa: BLE001 - any load failure is a 400 with rollback
                 logger.warning("update_weights_from_disk(%s) failed: %s", path, exc)
                 return web.json_response({"success": False, "num_paused_requests": 0,

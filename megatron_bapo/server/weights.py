@@ -17,15 +17,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """An HF causal LM from `path` in eval mode, no grads, on CPU."""
+def load_model(path: str, dtype: str = "float32") -> torch.nn.Module:
+    """An HF causal LM from `path` in eval mode, no grads, on CPU, its parameters in `dtype`
+    ("float32" or "bfloat16": the server's `--dtype`, for the first load and every disk update)."""
     from transformers import AutoModelForCausalLM
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model_path {path!r} is not a directory")
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model_path {path!r} has no config.json (not an HF checkpoint directory)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
