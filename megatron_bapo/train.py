@@ -73,6 +73,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor",
                             category=UserWarning)
+    from megatron_bapo.actor.errors import SkippedStepsError
     from megatron_bapo.experience import RewardFailure
     from megatron_bapo.progress import NoProgressError
     from megatron_bapo.rewards import RewardSpecError
@@ -83,7 +84,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Errors that name their fix are one line (the traceback in the log file at DEBUG); anything else
     # is a bug and keeps its traceback.
     kinds = {ConfigError: "config error", RewardSpecError: "config error", CheckpointError: "checkpoint error",
-             RewardFailure: "reward error", RolloutError: "rollout error", NoProgressError: "progress error"}
+             RewardFailure: "reward error", RolloutError: "rollout error", NoProgressError: "progress error",
+             SkippedStepsError: "training error"}
     started = time.monotonic()
     try:
         history = Trainer(config).run()

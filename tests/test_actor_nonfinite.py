@@ -16,6 +16,8 @@ pytest.importorskip("megatron.core")
 
 from test_actor_helpers import TINY_QWEN2, full_params, make_batch  # noqa: E402
 
+from megatron_bapo.actor.errors import SkippedStepsError  # noqa: E402
+
 
 def _actor(**kw):
     from megatron_bapo.actor import ActorConfig, OptimConfig
@@ -57,7 +59,7 @@ def _nan_gradient_on_stage0(rank, world_size, max_skipped):
     before = full_params(actor)
     try:
         metrics = actor.train_step(b)
-    except RuntimeError as exc:
+    except SkippedStepsError as exc:  # the CLI's one-line "training error:" (megatron_bapo.train)
         return {"error": str(exc)}
     after = full_params(actor)
     unchanged = all(torch.equal(before[k], after[k]) for k in before)
@@ -73,4 +75,4 @@ def test_nan_grad_norm_on_one_stage_skips_the_step_on_every_rank(run_dist):
 
 def test_too_many_skipped_steps_stop_every_rank(run_dist):
     for res in run_dist(_nan_gradient_on_stage0, 2, 0, timeout=120):
-        assert "max_skipped_steps=0" in res["error"]
+        assert "actor.max_skipped_steps=0" in res["error"]

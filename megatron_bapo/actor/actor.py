@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bapo.actor.config import ActorConfig
+from megatron_bapo.actor.errors import SkippedStepsError
 from megatron_bapo.actor.layout import POSITION_KEYS, MicroBatchLayout, local_position_ids
 from megatron_bapo.actor.logprobs import vocab_parallel_logprobs
 from megatron_bapo.actor.metrics import MetricSums, acc_keys, average_steps
@@ -379,9 +380,10 @@ class Actor:
         self.num_skipped_steps += 1
         logger.warning("%s: optimizer step skipped (%d so far)", reason, self.num_skipped_steps)
         if self.num_skipped_steps > self.config.max_skipped_steps:
-            raise RuntimeError(
-                f"Actor: {self.num_skipped_steps} skipped (non-finite) steps exceed ActorConfig.max_skipped_steps="
-                f"{self.config.max_skipped_steps}; check rewards, advantages and behavior log-probs"
+            raise SkippedStepsError(
+                f"{self.num_skipped_steps} optimizer steps were skipped for a non-finite gradient norm, more than "
+                f"actor.max_skipped_steps={self.config.max_skipped_steps}; check rewards, advantages and behavior "
+                f"log-probs (the warnings above say which steps), or lower actor.optim.lr"
             )
 
     def _skipped_metrics(self) -> dict[str, float]:
