@@ -22,7 +22,7 @@
 #   SERVER_PORT     built-in server port; 0 = a free port picked by the server (0)
 #   SYNC_METHOD     weight sync: "disk" (HF dir + /update_weights_from_disk) or "distributed" (gloo
 #                   process group + /update_weights_from_distributed, as the 32B run does with NCCL) (disk)
-#   SYNC_PORT       port of the distributed weight-sync group on this machine (29611)
+#   SYNC_PORT       port of the distributed weight-sync group on this machine (0: rank 0 binds a free one)
 #   ACTOR_PROCS     actor ranks (1; >1 runs torchrun --standalone with gloo)
 #   HEALTH_TIMEOUT  seconds to wait for the server (300)
 #   CLEANUP_TIMEOUT seconds between SIGTERM and SIGKILL at cleanup (30)
@@ -42,7 +42,7 @@ LOG_DIR=${LOG_DIR:-$OUTPUT_DIR/logs/slurm-${SLURM_JOB_ID:-local}}
 SERVER_PORT=${SERVER_PORT:-0}
 ACTOR_PROCS=${ACTOR_PROCS:-1}
 SYNC_METHOD=${SYNC_METHOD:-disk}
-SYNC_PORT=${SYNC_PORT:-29611}
+SYNC_PORT=${SYNC_PORT:-0}
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-300}
 export CLEANUP_TIMEOUT=${CLEANUP_TIMEOUT:-30}
 

@@ -17,23 +17,40 @@ import torch.distributed as dist
 DEFAULT_GROUP = "weight_update_group"
 
 
+def host_store(master_address: str, master_port: int, world_size: int, timeout_s: float = 600.0):
+    """Rank 0's TCP store of a weight-update group, bound before anyone is told where it is.
+
+    `master_port` 0 lets the OS pick a free port (read it back as `store.port`): a port chosen
+    earlier and bound later can be taken in between, by the ephemeral ports of the trainer's own
+    gloo/NCCL connections among others, and the group then fails with EADDRINUSE.
+    """
+    from torch.distributed import TCPStore
+
+    return TCPStore(master_address, int(master_port), world_size, is_master=True,
+                    timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
 def init_weights_update_group(
     backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-    group_name: str = DEFAULT_GROUP, timeout_s: float = 600.0,
+    group_name: str = DEFAULT_GROUP, timeout_s: float = 600.0, store=None,
 ):
     """Create (and rendezvous) a standalone process group; blocks until all `world_size` ranks join.
 
-    Used by both sides: the trainer as rank 0 (it hosts the store), each server as
-    `rank_offset + tp_rank`. The store is built directly, not through `rendezvous("tcp://...")`:
-    under torchrun that handler connects to the launcher's agent store instead of hosting one
-    (TORCHELASTIC_USE_AGENT_STORE), and rank 0 would wait forever for a store nobody serves.
+    Used by both sides: the trainer as rank 0 (it hosts the store: pass the one `host_store`
+    made, or let this call bind `master_port`), each server as `rank_offset + tp_rank`. The store
+    is built directly, not through `rendezvous("tcp://...")`: under torchrun that handler connects
+    to the launcher's agent store instead of hosting one (TORCHELASTIC_USE_AGENT_STORE), and rank 0
+    would wait forever for a store nobody serves.
     """
     from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
-                     wait_for_workers=False)
+    if store is None:
+        if rank == 0:
+            store = host_store(master_address, master_port, world_size, timeout_s)
+        else:
+            store = TCPStore(master_address, int(master_port), world_size, is_master=False, timeout=timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}

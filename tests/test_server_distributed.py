@@ -162,3 +162,26 @@ def test_update_outside_a_session_is_refused(server, other_model):
     status, out = http(url + "/begin_weight_update", {})
     assert status == 400 and "already open" in out["message"]
     assert http(url + "/end_weight_update", {})[0] == 200
+
+
+def test_a_taken_sync_port_is_named_and_port_0_binds_a_free_one(server):
+    """`sync.master_port` 0 (the default) binds the store before the servers hear the port, so it
+    cannot be taken in between; a configured port that is in use fails naming the field and the fix."""
+    import socket
+
+    from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
+    from megatron_bapo.rollout.errors import RolloutError
+    from megatron_bapo.sync.sender import DistributedWeightSender
+
+    with socket.socket() as taken, RolloutClient(RolloutClientConfig(urls=[server.url])) as client:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        sender = DistributedWeightSender(client, backend="gloo", master_port=taken.getsockname()[1], timeout_s=20)
+        with pytest.raises(RolloutError, match="set sync.master_port to a free port"):
+            sender.connect()
+        sender = DistributedWeightSender(client, backend="gloo", group_name="port0", timeout_s=60)
+        sender.connect()
+        try:
+            assert sender.master_port > 0 and sender.master_port != taken.getsockname()[1]
+        finally:
+            sender.close()

@@ -50,8 +50,6 @@ def check_records(records: Path, vocab_size: int) -> dict:
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory, tiny_hf_dir):
     """Each run's recorded requests (one server per run, behind its own proxy)."""
-    from dist_harness import free_port
-
     from megatron_bapo.server.launch import start_server
 
     if not SGLANG_PYTHON.exists():
@@ -63,7 +61,7 @@ def recorded(tmp_path_factory, tiny_hf_dir):
         records = root / f"{name}.jsonl"
         flags = ["--num-threads", "1", *(["--enable-deterministic-inference"] if deterministic else [])]
         with start_server(tiny_hf_dir, extra_args=flags) as server, RecordingProxy(server.url, records) as proxy:
-            sections = {"sync": {**sync, "master_port": free_port(), "group_timeout_s": 120},
+            sections = {"sync": {**sync, "group_timeout_s": 120},
                         "rollout": {"group_size": 4, "prompts_per_step": 3, "max_response_tokens": 6,
                                     "segment_tokens": 3, "max_staleness": 3, "deterministic_inference": deterministic,
                                     "client": {"urls": [proxy.url], "health_timeout_s": 180}}}

@@ -89,7 +89,7 @@ def test_sync_makes_server_logprobs_equal_the_trainer(run_dist, tiny_hf_dir, tmp
 
     with start_server(tiny_hf_dir, log_path=tmp_path / "server.log") as server:
         before = _server_logprobs(server.url)
-        res = run_dist(_train_side, world_size, str(tiny_hf_dir), server.url, method, free_port(),
+        res = run_dist(_train_side, world_size, str(tiny_hf_dir), server.url, method, 0,
                        str(tmp_path / "hf_sync"), timeout=240)
         trainer = res[0]["lp"]
         assert (before - trainer).abs().max() > 1e-3  # the perturbation is visible: the check can fail
@@ -134,7 +134,7 @@ def test_nccl_sync_to_sglang_makes_logprobs_equal(run_dist, tiny_hf_dir, tmp_pat
     pytest.importorskip("sglang")
     proc, url = _start_sglang(str(tiny_hf_dir), free_port(), tmp_path / "sglang.log")
     try:
-        res = run_dist(_train_side, 1, str(tiny_hf_dir), url, "distributed", free_port(),
+        res = run_dist(_train_side, 1, str(tiny_hf_dir), url, "distributed", 0,
                        str(tmp_path / "hf_sync"), timeout=600)
         torch.testing.assert_close(_server_logprobs(url), res[0]["lp"], atol=1e-3, rtol=0)
         assert _version(url) == "6"

@@ -36,7 +36,9 @@ class SyncConfig:
     backend: str = "nccl"
     """Process-group backend of the "distributed" method ("gloo" on CPU)."""
     master_address: str = "127.0.0.1"
-    master_port: int = 29600
+    master_port: int = 0
+    """Port of the weight group's store on trainer rank 0's node ("distributed"); 0 lets the OS pick
+    a free one when the group is made (the servers are told it). Set one when a firewall must allow it."""
     bucket_bytes: int = 512 * 1024 * 1024
     """Tensors per broadcast bucket ("distributed") / per safetensors shard ("disk")."""
     keep_versions: int = 2
@@ -56,6 +58,8 @@ class SyncConfig:
             raise ConfigError(f"sync.method must be 'disk' or 'distributed', got {self.method!r}")
         if self.backend not in ("nccl", "gloo"):
             raise ConfigError(f"sync.backend must be 'nccl' or 'gloo', got {self.backend!r}")
+        if not 0 <= int(self.master_port) <= 65535:
+            raise ConfigError(f"sync.master_port must be a port (1-65535) or 0 to pick a free one, got {self.master_port}")
         if self.bucket_bytes < 1024:
             raise ConfigError(f"sync.bucket_bytes must be >= 1024, got {self.bucket_bytes}")
         if self.keep_versions < 1:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Sequence
 
-from megatron_bapo.models.parallel import free_port
 from megatron_bapo.rollout.errors import RolloutError
 from megatron_bapo.weight_update import (
     DEFAULT_GROUP,
     broadcast_weights,
     destroy_weights_update_group,
+    host_store,
     init_weights_update_group,
     update_request_body,
 )
@@ -41,7 +41,7 @@ class DistributedWeightSender:
         self.client = client
         self.backend, self.group_name, self.timeout_s = backend, group_name, timeout_s
         self.master_address = master_address
-        self.master_port = master_port or free_port(master_address)
+        self.master_port = int(master_port or 0)  # 0: the OS picks one when connect() binds the store
         self.pg = None
         self.urls: list[str] = []
 
@@ -52,13 +52,20 @@ class DistributedWeightSender:
         if len(ranks) != len(self.urls) or min(ranks) < 1:
             raise ValueError(f"ranks_per_server must give a positive count per server, got {ranks}")
         world = 1 + sum(ranks)
+        where = f"{self.master_address}:{self.master_port or '(a free port)'}"
+        try:  # bound before the servers hear the port, so nothing can take it in between
+            store = host_store(self.master_address, self.master_port, world, self.timeout_s)
+        except Exception as exc:
+            raise RolloutError(f"the weight update group cannot listen on {where}: {exc}; set sync.master_port to "
+                               f"a free port the servers can reach, or to 0 to let the trainer pick one") from exc
+        self.master_port = int(store.port)
         bodies = {u: {"master_address": self.master_address, "master_port": self.master_port,
                       "rank_offset": 1 + sum(ranks[:i]), "world_size": world, "group_name": self.group_name,
                       "backend": self.backend} for i, u in enumerate(self.urls)}
         pending = self.client.submit(self.client.ainit_weights_update_group(bodies, timeout=self.timeout_s))
         try:
             self.pg = init_weights_update_group(self.backend, self.master_address, self.master_port, 0, world,
-                                                self.group_name, timeout_s=self.timeout_s)
+                                                self.group_name, timeout_s=self.timeout_s, store=store)
         except Exception as exc:
             pending.cancel()
             raise RolloutError(f"joining the weight update group at {self.master_address}:{self.master_port} "
