@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -69,7 +68,7 @@ def test_tiny_run_as_slurm_job_steps(slurm_env, tmp_path):
     assets = _tiny_assets(tmp_path / "assets")
     out_dir = tmp_path / "run"
     env = dict(slurm_env, TINY_DIR=str(assets), OUTPUT_DIR=str(out_dir), PYTHON=str(ROOT / ".venv/bin/python"),
-               CLEANUP_TIMEOUT="20", SYNC_METHOD="distributed", SYNC_PORT=str(free_port()))
+               CLEANUP_TIMEOUT="20", SYNC_METHOD="distributed", SYNC_PORT="0")
     job_out = tmp_path / "job.out"
     res = subprocess.run(
         ["sbatch", "--wait", "-o", str(job_out), "--chdir", str(ROOT), str(ROOT / "examples/run_tiny_slurm.sh"),
