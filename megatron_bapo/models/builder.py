@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bapo.models.layer_spec import get_block_spec
+from megatron_bapo.models.layer_spec import get_block_spec, have_transformer_engine
 from megatron_bapo.models.registry import model_args_from_hf
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ def transformer_config_from_hf(
     pp = ps.get_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    ep = ps.get_expert_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size()
     ck = args.config_kwargs
     if ck["num_attention_heads"] % tp or ck["num_query_groups"] % tp:
         raise ValueError(
@@ -42,12 +44,21 @@ def transformer_config_from_hf(
         raise ValueError(f"ParallelConfig.tp={tp} must divide the padded vocab size {args.padded_vocab_size}")
     if ck["num_layers"] % (pp * (vpp or 1)):
         raise ValueError(f"ParallelConfig.pp={pp} (x vpp={vpp or 1}) must divide num_layers={ck['num_layers']}")
+    moe = bool(ck.get("num_moe_experts"))
+    if moe and ck["num_moe_experts"] % ep:
+        raise ValueError(f"ParallelConfig.ep={ep} must divide the number of experts ({ck['num_moe_experts']})")
+    if moe and ck["moe_ffn_hidden_size"] % etp:
+        raise ValueError(f"ParallelConfig.etp={etp} must divide moe_intermediate_size={ck['moe_ffn_hidden_size']}")
+    if not moe and ep > 1:
+        raise ValueError(f"ParallelConfig.ep={ep}: {args.architecture} is not a mixture-of-experts model (set ep: 1)")
     kwargs = dict(
         ck,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -55,6 +66,8 @@ def transformer_config_from_hf(
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
     )
+    if moe:  # TE's grouped GEMM for the experts wherever the TE spec is used (layer_spec.get_layer_spec)
+        kwargs["moe_grouped_gemm"] = torch.cuda.is_available() and have_transformer_engine()
     if not torch.cuda.is_available():
         # gloo pairs batched isend/irecv wrongly when prev and next stage are the same rank
         # (interleaved PP=2; shared/notes/megatron-core-on-cpu.md).
