@@ -107,3 +107,190 @@ def test_offline_round_trip_is_bit_exact_and_the_checkpoint_loads(tmp_path, run_
         assert src[k].dtype == dst[k].dtype and torch.equal(src[k], dst[k]), k
     logits = run_dist(_load_checkpoint_logits, 1, hf_dir, mdir, {}, timeout=120)[0]
     torch.testing.assert_close(logits, hf_logits(hf_dir, IDS), atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- expert parallelism on gloo ranks
+def _moe_actor(hf_dir, *, tp=1, ep=1, etp=None, sp=False, distopt=False, **kw):
+    from transformers import AutoConfig
+
+    from megatron_bapo.actor import ActorConfig, OptimConfig
+    from megatron_bapo.actor.actor import Actor
+    from megatron_bapo.convert import load_hf_into_model
+    from megatron_bapo.models.parallel import ParallelConfig
+
+    optim = OptimConfig(name="adam", lr=1e-3, clip_grad=0.0) if distopt else OptimConfig(name="sgd", lr=0.05, clip_grad=0.0)
+    cfg = ActorConfig(optim=optim, parallel=ParallelConfig(tp=tp, ep=ep, etp=etp, sequence_parallel=sp),
+                      vocab_divisible_by=64, use_distributed_optimizer=distopt, **kw)
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    actor = Actor(cfg, hf_config)
+    load_hf_into_model(actor.model, hf_dir, hf_config=hf_config)
+    actor.optimizer.reload_model_params()
+    return actor
+
+
+def hf_params(actor) -> dict[str, torch.Tensor]:
+    """Every weight by its HF name, gathered over TP, expert-TP and EP (collective on every rank)."""
+    from megatron_bapo.convert import iter_hf_tensors
+
+    p = actor.parallel
+    buckets = iter_hf_tensors(actor.model, actor.hf_config, gather_to="all", tp_group=p.tp_group, pp_group=p.pp_group,
+                              etp_group=p.etp_group, ep_group=p.ep_group)
+    return {n: t.clone() for bucket in buckets for n, t in bucket}
+
+
+def _moe_step(rank, world_size, hf_dir, layout):
+    from test_actor_helpers import make_batch
+
+    actor = _moe_actor(hf_dir, **layout)
+    b = make_batch(num_seqs=8, max_len=23, seed=3, vocab=actor.hf_vocab_size)
+    b["temperature"] = 0.6
+    lp = actor.compute_logprobs(b)
+    g = torch.Generator().manual_seed(4)
+    b["behavior_logprobs"] = lp + 0.3 * torch.randn(lp.shape, generator=g)
+    before = hf_params(actor)
+    metrics = actor.train_step(b)
+    after = hf_params(actor)
+    return {"lp": lp, "metrics": metrics, "lp_after": actor.compute_logprobs(b),
+            "update": {k: after[k] - before[k] for k in after}, "ep": actor.parallel.ep_size}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
+
+    return str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("moe"), seed=0, architecture="qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_dir):
+    from dist_harness import run_dist
+
+    return run_dist(_moe_step, 1, moe_dir, {}, timeout=120)[0]
+
+
+MOE_METRICS = ("actor/loss", "actor/grad_norm", "actor/entropy", "actor/kl_k1", "bapo/c_high", "bapo/c_low",
+               "actor/clipfrac", "actor/num_loss_tokens", "moe/load_balance")
+
+
+@pytest.mark.parametrize(
+    "layout, world_size",
+    [({"ep": 2}, 2), ({"tp": 2, "sp": True, "ep": 2}, 4), ({"tp": 2, "sp": True, "ep": 2, "etp": 1}, 4)],
+    ids=["ep2", "tp2-sp-ep2", "tp2-sp-ep2-etp1"],
+)
+def test_expert_parallel_equals_one_process(run_dist, moe_dir, moe_reference, layout, world_size):
+    """Log-probs (temperature 0.6), loss, gradient norm, every parameter's SGD update (-lr x gradient,
+    the router's and each expert's included) and the log-probs after the step equal one process."""
+    ref = moe_reference
+    assert ref["metrics"]["moe/load_balance"] > 1.0  # the router is uneven, not degenerate
+    results = run_dist(_moe_step, world_size, moe_dir, layout, timeout=300)
+    for got in results:
+        assert got["ep"] == 2
+        torch.testing.assert_close(got["lp"], ref["lp"], atol=2e-6, rtol=0)
+        for k in MOE_METRICS:
+            assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-6), k
+        torch.testing.assert_close(got["lp_after"], ref["lp_after"], atol=1e-5, rtol=0)
+        assert sorted(got["update"]) == sorted(ref["update"])
+        for name, upd in ref["update"].items():
+            torch.testing.assert_close(got["update"][name], upd, atol=1e-7, rtol=1e-5, msg=name)
+    experts = [u for n, u in ref["update"].items() if ".mlp.experts." in n]
+    assert len(experts) == 2 * 8 * 3 and max(u.abs().max() for u in experts) > 1e-4  # experts were trained
+
+
+def test_expert_parallel_distributed_optimizer_equals_one_process(run_dist, moe_dir):
+    """megatron's distributed optimizer (Adam, expert parameters sharded over their own data-parallel
+    group) at EP=2 takes the single-process step."""
+    ref = run_dist(_moe_step, 1, moe_dir, {"distopt": True}, timeout=120)[0]
+    for got in run_dist(_moe_step, 2, moe_dir, {"ep": 2, "distopt": True}, timeout=240):
+        torch.testing.assert_close(got["lp"], ref["lp"], atol=2e-6, rtol=0)
+        assert got["metrics"]["actor/grad_norm"] == pytest.approx(ref["metrics"]["actor/grad_norm"], rel=1e-5)
+        torch.testing.assert_close(got["lp_after"], ref["lp_after"], atol=1e-5, rtol=0)
+        for name, upd in ref["update"].items():  # Adam magnifies fp32 noise: compare at 1e-5
+            torch.testing.assert_close(got["update"][name], upd, atol=1e-5, rtol=1e-3, msg=name)
+
+
+# --------------------------------------------------------------------------- resharding EP=2 -> EP=1
+def _save_at(rank, world_size, hf_dir, ckpt, hf_out, layout):
+    from megatron_bapo.convert import save_model_as_hf
+
+    actor = _moe_actor(hf_dir, **layout)
+    if ckpt is not None:
+        actor.load_checkpoint(ckpt, load_optimizer=False)
+    else:
+        ckpt = hf_out.parent / "ckpt"
+        actor.save_checkpoint(ckpt)
+    save_model_as_hf(actor.model, actor.hf_config, hf_out, parallel=actor.parallel, max_shard_bytes=60_000)
+    return actor.parallel.ep_rank, actor.parallel.dp_rank
+
+
+def _offline_export(rank, world_size, ckpt, out, template):
+    from megatron_bapo.convert.offline import megatron_to_hf
+
+    megatron_to_hf(ckpt, out, hf_template=template)
+
+
+def test_round_trip_through_an_ep2_checkpoint_is_bit_exact(tmp_path, run_dist):
+    """HF -> actor at EP=2 -> (a) HF from the live model (the second EP rank's experts come from data-
+    parallel rank 1), (b) a torch_dist checkpoint -> actor at EP=1 -> HF, (c) the same checkpoint ->
+    offline HF: every tensor is the source's, bit for bit."""
+    hf_dir = make_hf_model("qwen3_moe", tmp_path / "hf", seed=6)
+    src = read_safetensors_dir(hf_dir)
+    live, via_ep1, offline = tmp_path / "live" / "hf", tmp_path / "ep1", tmp_path / "offline"
+    ranks = run_dist(_save_at, 2, hf_dir, None, live, {"ep": 2, "distopt": True}, timeout=240)
+    assert sorted(ranks) == [(0, 0), (1, 1)]  # EP is carved out of the data-parallel ranks
+    run_dist(_save_at, 1, hf_dir, tmp_path / "live" / "ckpt", via_ep1, {}, timeout=120)
+    run_dist(_offline_export, 1, tmp_path / "live" / "ckpt", offline, hf_dir, timeout=120)
+    for out in (live, via_ep1, offline):
+        dst = read_safetensors_dir(out)
+        assert sorted(dst) == sorted(src), out
+        for k in src:
+            assert src[k].dtype == dst[k].dtype and torch.equal(src[k], dst[k]), (out, k)
+
+
+def _resume(rank, world_size, hf_dir, ckpt):
+    """Two Adam steps straight through, and the second one again after a save / load."""
+    from test_actor_helpers import make_batch
+
+    batches = [make_batch(num_seqs=8, max_len=23, seed=s, vocab=128) for s in (1, 2)]
+    actor = _moe_actor(hf_dir, ep=2, distopt=True)
+    actor.train_step(batches[0])
+    actor.save_checkpoint(ckpt)
+    actor.train_step(batches[1])
+    straight = hf_params(actor)
+    resumed = _moe_actor(hf_dir, ep=2, distopt=True)
+    resumed.load_checkpoint(ckpt)
+    resumed.train_step(batches[1])
+    return straight, hf_params(resumed)
+
+
+def test_ep2_distributed_optimizer_checkpoint_resumes_exactly(tmp_path, run_dist, moe_dir):
+    """The chain of dense and expert distributed optimizers saves and loads every member's state:
+    the step after a resume equals the uninterrupted one."""
+    for straight, resumed in run_dist(_resume, 2, moe_dir, tmp_path / "ckpt", timeout=240):
+        for name, t in straight.items():
+            torch.testing.assert_close(resumed[name], t, atol=1e-6, rtol=0, msg=name)
+
+
+def _layout_errors(rank, world_size, moe_dir, dense_dir):
+    from transformers import AutoConfig
+
+    from megatron_bapo.actor import ActorConfig
+    from megatron_bapo.actor.actor import Actor
+    from megatron_bapo.models.parallel import ParallelConfig
+
+    errors = []
+    for hf_dir, parallel in ((moe_dir, ParallelConfig(tp=2)), (dense_dir, ParallelConfig(ep=2))):
+        try:
+            Actor(ActorConfig(parallel=parallel), AutoConfig.from_pretrained(hf_dir))
+        except ValueError as exc:
+            errors.append(str(exc))
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    return errors
+
+
+def test_layouts_megatron_cannot_train_are_refused_by_name(run_dist, moe_dir, tiny_hf_dir):
+    errors = run_dist(_layout_errors, 2, moe_dir, str(tiny_hf_dir), timeout=120)[0]
+    assert len(errors) == 2
+    assert "parallel.tp=2 with a mixture-of-experts model needs parallel.sequence_parallel=True" in errors[0]
+    assert "ParallelConfig.ep=2: Qwen2ForCausalLM is not a mixture-of-experts model" in errors[1]

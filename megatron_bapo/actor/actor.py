@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bapo.actor import batching
+from megatron_bapo.actor import moe
 from megatron_bapo.actor.config import ActorConfig
 from megatron_bapo.actor.layout import (
     POSITION_KEYS,
@@ -76,7 +77,7 @@ class Actor:
         # Micro-batches have different shapes (token budget); PP must then exchange shapes.
         # (megatron rejects variable lengths with the default MoE dispatcher even for dense models.)
         overrides = dict(calculate_per_token_loss=True, sequence_parallel=pc.sequence_parallel,
-                         **config.recompute_overrides())
+                         **config.recompute_overrides(), **moe.config_overrides(config, hf_config))
         if pc.pp > 1 and not pc.vpp:
             # Interleaved schedules exchange one fixed shape instead: `_microbatches` pads to it.
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
@@ -86,6 +87,8 @@ class Actor:
             for stage in range(pc.vpp or 1)
         ]
         self.hf_vocab_size = chunks[0].hf_vocab_size
+        self.routing_tapes = moe.setup_tapes(chunks, replay=config.routing_replay)
+        self.moe_shape = moe.moe_shape(chunks)
         self.layout = MicroBatchLayout(
             packed=config.packing, cp_size=self.parallel.cp_size, cp_rank=self.parallel.cp_rank,
             sp_size=pc.tp if pc.sequence_parallel else 1,
@@ -156,6 +159,8 @@ class Actor:
         if pc.vpp:  # one shape for the whole pass (the same on every rank of the pipeline)
             longest = max(int(n) for n in self._local_lengths(plan, lengths))
             out = [pad_packed_microbatch(mb, longest, self.layout) for mb in out]
+        for mb in out:
+            moe.attach_targets(mb, data)  # recorded MoE routing, when the batch has it
         return out
 
     def _local_lengths(self, plan: list, lengths: list[int]) -> list[int]:
@@ -175,6 +180,7 @@ class Actor:
             n = int(mb["max_seqlen"])
             packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                                      cu_seqlens_kv_padded=cu, max_seqlen_q=n, max_seqlen_kv=n)
+        moe.push_targets(model, mb)
         logits = model(mb["input_ids"].to(dev), mb["position_ids"].to(dev), None, packed_seq_params=packed)
         return logits, partial(loss_fn, mb)
 
@@ -188,6 +194,7 @@ class Actor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         iters = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
+        moe.begin_pass(self.routing_tapes)
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, loss_fn),
             data_iterator=iters,
@@ -216,6 +223,8 @@ class Actor:
         self._check_batch(batch, ("input_ids", "attention_mask"))
         self._temperature = float(batch.get("temperature", 1.0))
         data = {"input_ids": batch["input_ids"].long(), "attention_mask": batch["attention_mask"].long()}
+        if moe.ROUTED_EXPERTS in batch:
+            data[moe.ROUTED_EXPERTS] = batch[moe.ROUTED_EXPERTS]
         for key in POSITION_KEYS:
             data[key] = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
@@ -247,6 +256,8 @@ class Actor:
         mask = (batch["loss_mask"] > 0) & (out["attention_mask"] > 0)
         mask[:, 0] = False
         out["loss_mask"] = mask.float()
+        if moe.ROUTED_EXPERTS in batch:
+            out[moe.ROUTED_EXPERTS] = batch[moe.ROUTED_EXPERTS]
         return out
 
     def train_step(self, batch: dict[str, Any], *, current_version: Optional[int] = None) -> dict[str, float]:
@@ -340,12 +351,17 @@ class Actor:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        moe.reset_stats(self.routing_tapes)
         stored = self._run(mbs, partial(self._train_loss, bounds, acc, denominator), forward_only=False)
         for stats in stored:
             acc.add_stats(stats)
         sums = self._share_from_last_stage(acc.sums)
         search = self._share_from_last_stage(acc.search, reduce_dp=False)
         metrics = MetricSums.finalize(torch.cat([sums, search]))
+        if self.moe_shape is not None:  # the loss pass's routing (moe/*), from every rank
+            metrics.update(moe.collect_metrics(self.routing_tapes, num_layers=self.moe_shape[0],
+                                               num_experts=self.moe_shape[1], group=self.parallel.world_group,
+                                               device=_device()))
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         grad_norm = self._grad_norm_or_skip(metrics["actor/loss"])
         if grad_norm is not None:

@@ -19,6 +19,9 @@ below was verified necessary by a probe (shared/notes/megatron-core-on-cpu.md):
 |   numpy arrays, as it hands them to all_to_all_single on GPU |   all_to_all_single takes lists)   |
 | megatron's MoE utilities' Transformer Engine names -> None   | MoE router (moe_utils reads        |
 |   where TE is not installed                                  |   `te_general_gemm` unguarded)     |
+| uneven all-gather / reduce-scatter along the first dim over  | MoE under expert-tensor parallel:  |
+|   gloo: pad + all_gather_into_tensor / all_reduce + slice    |   tokens per ETP rank differ; gloo |
+|   (equal splits keep megatron's own path)                    |   needs equal sizes                |
 
 The fifth ingredient, core attention via `scaled_dot_product_attention`, lives in the layer spec
 (`megatron_bapo.models.layer_spec`), not here, because it is a module choice, not a patch. So does
@@ -175,8 +178,47 @@ _MOE_TE_NAMES = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fus
 tests for `is not None` (so without TE the router's gating raises NameError)."""
 
 
+def _uneven_gather_shim(original):
+    """megatron's `_gather_along_first_dim` whose uneven branch (`output_split_sizes`) gloo refuses
+    (its allgather needs equal sizes): every rank pads its part to the largest, all-gathers into one
+    tensor and keeps each rank's real rows. The same values in the same order as NCCL's list gather."""
+    import torch.distributed as dist
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        _HITS["uneven_gather"] += 1
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((longest * len(sizes), *input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        return torch.cat([out[r * longest: r * longest + n] for r, n in enumerate(sizes)])
+
+    return gather
+
+
+def _uneven_reduce_scatter_shim(original):
+    """megatron's `_reduce_scatter_along_first_dim` whose uneven branch (`input_split_sizes`, a list
+    reduce-scatter) gloo does not implement: all-reduce the whole tensor, keep this rank's rows."""
+    import torch.distributed as dist
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        _HITS["uneven_reduce_scatter"] += 1
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(int(n) for n in input_split_sizes[: group.rank()])
+        return total[start: start + int(input_split_sizes[group.rank()])].clone()
+
+    return reduce_scatter
+
+
 def _install_moe_shims() -> None:
     try:
+        from megatron.core.tensor_parallel import mappings
         from megatron.core.transformer.moe import moe_utils, token_dispatcher
     except ImportError:  # megatron-core absent
         return
@@ -184,6 +226,8 @@ def _install_moe_shims() -> None:
         if not hasattr(moe_utils, name):
             setattr(moe_utils, name, None)
     token_dispatcher.maybe_move_tensor_to_cpu = _dispatcher_tensor_to_host
+    mappings._gather_along_first_dim = _uneven_gather_shim(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter_shim(mappings._reduce_scatter_along_first_dim)
 
 
 def _make_cpu_tracker_class():

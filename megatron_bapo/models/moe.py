@@ -10,15 +10,16 @@ What a tape does per router call:
   nothing was recorded (the trainer's own choice stands there);
 - with `replay` on, use the target's experts (the probabilities are the router's scores at those
   experts, so the router still gets its gradient); off, keep the router's own top-k;
-- count, under no_grad, the tokens whose own top-k SET differs from the recorded one, the tokens
-  that had a target, the tokens it forced, and the load-balance statistic of the layer (per-expert
-  token counts and probability sums), for the `moe/*` metrics.
+- count, under no_grad and over the tokens the actor marks as counted (real tokens that predict
+  one: no padding, whose amount depends on the layout), the tokens whose own top-k SET differs from
+  the recorded one, the tokens that had a target, the tokens it forced, and the load-balance
+  statistic of the layer (per-expert token counts and probability sums), for the `moe/*` metrics.
 
-Targets come from the actor (`actor.routing_replay.push_targets`): one micro-batch tensor
-`[b, s, num_layers, top_k]` per forward step, in the micro-batch's own layout (padded or packed,
-this CP rank's chunks). The router takes its layer (`layer_number`, global), transposes to megatron's
-`[s, b]` order and, under sequence parallelism, keeps this TP rank's slice of the sequence, exactly
-as the hidden states it routes were split. Calls happen in the order of the forward steps; with full
+Targets come from the actor (`actor.moe.push_targets`): per forward step, the micro-batch's
+`[b, s, num_layers, top_k]` routing (or None) and its `[b, s]` counted-token mask, in the
+micro-batch's own layout (padded or packed, this CP rank's chunks). The router takes its layer
+(`layer_number`, global), transposes to megatron's `[s, b]` order and, under sequence parallelism,
+keeps this TP rank's slice of the sequence, exactly as the hidden states it routes were split. Calls happen in the order of the forward steps; with full
 activation recompute every layer runs twice (once without grad inside the checkpoint, once with grad
 in the backward, in the same order per model chunk), so the first call files its target for the
 recompute, which takes it back: the backward recomputes with the experts the forward used.
@@ -47,7 +48,7 @@ class RoutingTape:
         self.replay = False
         """Force the targets (actor.routing_replay); False: only compare and count."""
         self.pending: collections.deque = collections.deque()
-        """Targets of the forward calls to come: micro-batch tensors `[b, s, L, k]` or None."""
+        """Per forward call to come: (routing `[b, s, L, k]` or None, counted-token mask `[b, s]` or None)."""
         self.for_recompute: collections.deque = collections.deque()
         """Targets already used by a checkpointed forward, for its recompute in the backward."""
         self.log_used = False
@@ -73,63 +74,68 @@ class RoutingTape:
         """`(values, indices)` of the experts to use for `scores` `[tokens, num_experts]` (megatron's
         pre-top-k scores: logits, or softmax probabilities with `moe_router_pre_softmax`)."""
         values, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        recomputing, target = self._take_target()
+        recomputing, (target, counted) = self._take_target()
+        layer = int(self.router.layer_number) - 1
         if target is not None:
-            target = self._local_rows(target, scores.shape[0], topk).to(indices.device)
+            if target.dim() != 4 or target.shape[-1] != topk or not 0 <= layer < target.shape[2]:
+                raise ValueError(f"routing replay: target of shape {tuple(target.shape)} does not fit layer {layer} "
+                                 f"with top_k={topk} (expected [batch, seq, num_layers, top_k])")
+            target = self._local_rows(target[:, :, layer, :], scores.shape[0]).long().to(indices.device)
+        if counted is not None:
+            counted = self._local_rows(counted, scores.shape[0]).to(indices.device)
         own = indices
         if target is not None and self.replay:
             indices = torch.where(target[:, :1] >= 0, target, indices)
             values = scores.gather(1, indices)
         if not recomputing:
-            self._count(scores, own, indices, target)
+            self._count(scores, own, indices, target, counted)
         if self.log_used and not recomputing:
             self.used.append(indices.detach().cpu())
         return values, indices
 
-    def _take_target(self) -> tuple[bool, Optional[torch.Tensor]]:
+    def _take_target(self) -> tuple[bool, tuple]:
         router = self.router
         checkpointed = router.training and router.config.recompute_granularity == "full"
         if checkpointed and torch.is_grad_enabled():  # the backward's recompute of a checkpointed layer
-            return True, (self.for_recompute.popleft() if self.for_recompute else None)
-        target = self.pending.popleft() if self.pending else None
+            return True, (self.for_recompute.popleft() if self.for_recompute else (None, None))
+        item = self.pending.popleft() if self.pending else (None, None)
         if checkpointed:
-            self.for_recompute.append(target)
-        return False, target
+            self.for_recompute.append(item)
+        return False, item
 
-    def _local_rows(self, target: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:
-        """This router's `[tokens, k]` slice of a micro-batch target `[b, s, L, k]`."""
+    def _local_rows(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """This router's tokens of a micro-batch tensor `[b, s, ...]`: `[tokens, ...]` in megatron's
+        `[s, b]` order, this TP rank's slice of the sequence under sequence parallelism."""
         router = self.router
-        layer = int(router.layer_number) - 1
-        if target.dim() != 4 or target.shape[-1] != topk or not 0 <= layer < target.shape[2]:
-            raise ValueError(f"routing replay: target of shape {tuple(target.shape)} does not fit layer {layer} "
-                             f"with top_k={topk} (expected [batch, seq, num_layers, top_k])")
-        rows = target[:, :, layer, :].transpose(0, 1)  # [s, b, k], megatron's token order
+        rows = x.transpose(0, 1)
         group = router.tp_group
         if router.config.sequence_parallel and group is not None and group.size() > 1:
             rows = rows.chunk(group.size(), dim=0)[group.rank()]
-        rows = rows.reshape(-1, topk).long()
+        rows = rows.reshape(-1, *x.shape[2:])
         if rows.shape[0] != num_tokens:
-            raise ValueError(f"routing replay: layer {layer} routes {num_tokens} tokens but its target has "
-                             f"{rows.shape[0]} rows (the micro-batch and the routing tensor disagree)")
+            raise ValueError(f"routing replay: layer {int(router.layer_number) - 1} routes {num_tokens} tokens but the "
+                             f"micro-batch gives {rows.shape[0]} (the micro-batch and the routing tensor disagree)")
         return rows
 
     @torch.no_grad()
-    def _count(self, scores: torch.Tensor, own: torch.Tensor, used: torch.Tensor, target: Optional[torch.Tensor]) -> None:
+    def _count(self, scores: torch.Tensor, own: torch.Tensor, used: torch.Tensor, target: Optional[torch.Tensor],
+               counted: Optional[torch.Tensor]) -> None:
         num_experts = scores.shape[1]
         if self.stats is None:
             self.stats = torch.zeros(len(STAT_FIELDS) + 2 * num_experts, dtype=torch.float64, device=scores.device)
+        keep = counted if counted is not None else torch.ones(scores.shape[0], dtype=torch.bool, device=scores.device)
         probs = scores.double() if self.router.config.moe_router_pre_softmax else torch.softmax(scores.double(), dim=-1)
         counts = torch.zeros(4, dtype=torch.float64, device=scores.device)
-        counts[3] = own.shape[0]
+        counts[3] = keep.sum()
         if target is not None:
-            has = target[:, 0] >= 0
+            has = (target[:, 0] >= 0) & keep
             differs = (own.sort(dim=-1).values != target.sort(dim=-1).values).any(dim=-1) & has
             counts[0], counts[1] = differs.sum(), has.sum()
             if self.replay:
                 counts[2] = counts[1]
         self.stats[:4] += counts
-        self.stats[4:4 + num_experts] += torch.bincount(used.reshape(-1), minlength=num_experts).double()
-        self.stats[4 + num_experts:] += probs.sum(0)
+        self.stats[4:4 + num_experts] += torch.bincount(used[keep].reshape(-1), minlength=num_experts).double()
+        self.stats[4 + num_experts:] += probs[keep].sum(0)
 
 
 _ROUTER = None
