@@ -103,10 +103,23 @@ def test_server_returns_the_routing_of_every_computed_position(server, moe_hf):
 def test_without_the_launch_flag_the_field_is_ignored_as_by_sglang(moe_hf):
     from megatron_bapo.server.launch import start_server
 
+    from megatron_bapo.rollout import PartialRolloutManager
+    from megatron_bapo.rollout.client import RolloutClient
+    from megatron_bapo.rollout.config import PartialRolloutConfig, RolloutClientConfig
+    from megatron_bapo.rollout.errors import RolloutError
+    from megatron_bapo.rollout.types import Prompt
+
     with start_server(moe_hf, extra_args=["--num-threads", "1"]) as plain:
         status, out = http(plain.url + "/generate", {"input_ids": [5, 6], "return_routed_experts": True,
                                                      "sampling_params": {"max_new_tokens": 2}})
-    assert status == 200 and "routed_experts" not in out["meta_info"]
+        assert status == 200 and "routed_experts" not in out["meta_info"]
+        # the rollout asking for routing stops there, naming the flag, and keeps its samples
+        cfg = PartialRolloutConfig(group_size=2, max_response_tokens=4, return_routed_experts=True)
+        with RolloutClient(RolloutClientConfig(urls=[plain.url])) as client:
+            manager = PartialRolloutManager(client, cfg)
+            with pytest.raises(RolloutError, match="launch the servers with --enable-return-routed-experts"):
+                manager.step([Prompt(prompt_ids=[5, 6, 7], index=0)], 0)
+        assert manager.num_buffered_groups == 1 and all(not s.response_ids for s in manager.buffer[0].samples)
 
 
 # --------------------------------------------------------------------------- buffer -> batch -> routers

@@ -31,7 +31,7 @@ from megatron_bapo.server.kv import BatchKV
 from megatron_bapo.server.prefill import batched_prefill, chunk_by_tokens
 from megatron_bapo.server.protocol import GenerateItem
 from megatron_bapo.server.req import Req, abort_reason, check_finished, fill_input_logprobs
-from megatron_bapo.server.routing import RoutingCapture
+from megatron_bapo.server.routing import RoutingCapture, keep_routing
 from megatron_bapo.server.sampling import adjust_logits, choose_plain_batch, choose_token, is_plain, top_logprobs
 from megatron_bapo.server.waiting import WaitingQueue
 
@@ -167,14 +167,7 @@ class Engine:
         out = fn(*args, **kwargs)
         return out, self.routing.take()
 
-    @staticmethod
-    def _keep_routing(req: Req, rows: Optional[torch.Tensor], *, prefill: bool) -> None:
-        if rows is None or not req.item.return_routed_experts:
-            return
-        if prefill:  # a (re-)prefill computes every position of its context again
-            req.routed_prefill, req.routed_decode = rows.clone(), []
-        else:
-            req.routed_decode.append(rows.clone())
+
 
     # ---------------------------------------------------------------- scheduler thread
     def _post(self, kind: str, payload) -> None:
@@ -367,7 +360,7 @@ class Engine:
                         req.cached_tokens = len(req.item.input_ids)
                     req.started = True
                     if routed is not None:
-                        self._keep_routing(req, routed[j, routed.shape[1] - len(ctx):], prefill=True)
+                        keep_routing(req, routed[j, routed.shape[1] - len(ctx):], prefill=True)
                     if self._sample_guarded(req, logits[j]):
                         rows.append(j)
                         joined.append(req)
@@ -396,7 +389,7 @@ class Engine:
         ids = torch.tensor([ctx], dtype=torch.long)
         out, routed = self._forward(self.model, input_ids=ids, use_cache=bool(todo), logits_to_keep=0 if want_input else 1)
         for r in reqs:
-            self._keep_routing(r, routed, prefill=True)
+            keep_routing(r, routed, prefill=True)
         logits = out.logits[0].float()
         if want_input:
             lp_all = torch.log_softmax(logits[:-1], dim=-1)
@@ -479,7 +472,7 @@ class Engine:
                                     past_key_values=cache, use_cache=True, logits_to_keep=1)
         if routed is not None:  # one fed token per request
             for i, req in enumerate(reqs):
-                self._keep_routing(req, routed[i:i + 1], prefill=False)
+                keep_routing(req, routed[i:i + 1], prefill=False)
         self._kv.advance(out.past_key_values)
         logits = out.logits[:, -1].float()
         keep = self._sample_rows(reqs, logits)

@@ -362,7 +362,7 @@ def parse_generate(body: Any, tokenize, limits: RequestLimits = RequestLimits())
                                              ("return_logprob", "logprob_start_len", "top_logprobs_num")):
         raise RequestError("List-valued return_logprob / logprob_start_len / top_logprobs_num cannot be "
                            "combined with n > 1.")
-    routed, routed_start = _routed_experts_fields(body, prompts)
+    routed, routed_start = routed_experts_fields(body, prompts)
 
     items = []
     for i in range(num):
@@ -383,7 +383,7 @@ def parse_generate(body: Any, tokenize, limits: RequestLimits = RequestLimits())
     return GenerateRequest(items=items, single=single_reply, stream=bool(body.get("stream")))
 
 
-def _routed_experts_fields(body: dict, prompts: list) -> tuple[bool, int]:
+def routed_experts_fields(body: dict, prompts: list) -> tuple[bool, int]:
     """`return_routed_experts` (bool) and `routed_experts_start_len` (int, in [0, len(input_ids)] when
     routing is asked for: SGLang 0.5.23 refuses the request otherwise), one value for every prompt."""
     routed = body.get("return_routed_experts", False)

@@ -85,6 +85,17 @@ def encode_rows(rows: torch.Tensor) -> str:
     return base64.b64encode(rows.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
 
 
+def keep_routing(req, rows: Optional[torch.Tensor], *, prefill: bool) -> None:
+    """File a forward's rows with a request that asked for its routing: a (re-)prefill replaces
+    everything (it computed every position of its context again), a decode step appends its row."""
+    if rows is None or not req.item.return_routed_experts:
+        return
+    if prefill:
+        req.routed_prefill, req.routed_decode = rows.clone(), []
+    else:
+        req.routed_decode.append(rows.clone())
+
+
 def request_rows(prefill: Optional[torch.Tensor], decoded: list, start: int, seqlen: int) -> Optional[torch.Tensor]:
     """Rows `[start, seqlen - 1)` of a request's routing (prefill rows, then one per decode step),
     or None when it was never computed (aborted while waiting)."""
