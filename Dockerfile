@@ -36,9 +36,12 @@ RUN python -m venv /opt/venv \
  && python -c "import sglang, sglang_router, torch; assert torch.cuda.nccl.version()"
 
 # The actor side in the same environment: TE built against this torch, then megatron-core.
+# Mixture-of-experts models (Qwen3-MoE) need nothing more: their experts run TE's grouped GEMM
+# (megatron's TEGroupedMLP over transformer_engine.pytorch.GroupedLinear; megatron's legacy
+# GroupedMLP and its `grouped_gemm` package are not used), checked by the import below.
 RUN PIP_CONSTRAINT="" pip install --no-build-isolation "transformer-engine[pytorch]==${TRANSFORMER_ENGINE_VERSION}" \
  && PIP_CONSTRAINT="" pip install "megatron-core==${MEGATRON_CORE_VERSION}" \
- && python -c "import megatron.core, transformer_engine.pytorch"
+ && python -c "import megatron.core, transformer_engine.pytorch; from transformer_engine.pytorch import GroupedLinear"
 
 WORKDIR /workspace/megatron_bapo
 COPY . .

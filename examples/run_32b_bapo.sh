@@ -13,6 +13,7 @@
 #   sbatch examples/run_32b_bapo.sh [section.key=value ...]        (overrides go to the trainer)
 #   RECIPE=qwen3-32b sbatch examples/run_32b_bapo.sh                (Qwen3-32B, 64k responses)
 #   RECIPE=qwen3-8b sbatch --nodes=2 examples/run_32b_bapo.sh       (Qwen3-8B: 1 actor + 1 rollout node)
+#   RECIPE=qwen3-30b-a3b sbatch --nodes=3 examples/run_32b_bapo.sh  (Qwen3-30B-A3B MoE: 2 actor + 1 rollout node)
 #   DRY_RUN=1 bash examples/run_32b_bapo.sh                         (print every command, run nothing)
 #
 # Layout (the first ACTOR_NODES nodes train, the rest serve rollouts):
@@ -28,8 +29,10 @@
 # Check the layout first: python tools/plan.py --config "$CONFIG" --hf-config "$MODEL_DIR" --gpus 64
 #
 # Environment (default):
-#   RECIPE            qwen2.5-32b | qwen3-32b | qwen3-8b: the defaults of CONFIG, MODEL_DIR, OUTPUT_DIR
-#                     and, for qwen3-8b, ACTOR_NODES=1 ROLLOUT_NODES=1 ROLLOUT_TP=1 CONTEXT_LENGTH=36864
+#   RECIPE            qwen2.5-32b | qwen3-32b | qwen3-8b | qwen3-30b-a3b: the defaults of CONFIG, MODEL_DIR,
+#                     OUTPUT_DIR and, for qwen3-8b, ACTOR_NODES=1 ROLLOUT_NODES=1 ROLLOUT_TP=1
+#                     CONTEXT_LENGTH=36864; for qwen3-30b-a3b, ACTOR_NODES=2 ROLLOUT_NODES=1 ROLLOUT_TP=2
+#                     CONTEXT_LENGTH=36864
 #                     (qwen2.5-32b); every variable below set explicitly wins over the recipe's default
 #   REPO_DIR          checkout of this project on the shared file system ($SLURM_SUBMIT_DIR)
 #   CONFIG            run YAML ($REPO_DIR/examples/configs/<recipe>.yaml)
@@ -76,7 +79,11 @@ case "$RECIPE" in
     : "${CONFIG:=$REPO_DIR/examples/configs/qwen3-8b-bapo.yaml}" "${MODEL_DIR:=/models/Qwen3-8B}"
     : "${OUTPUT_DIR:=/checkpoints/bapo-qwen3-8b}" "${ACTOR_NODES:=1}" "${ROLLOUT_NODES:=1}" "${ROLLOUT_TP:=1}"
     : "${CONTEXT_LENGTH:=36864}" ;;  # 2k prompt + 32k response + margin, within max_position_embeddings
-  *) die "RECIPE=$RECIPE is not one of: qwen2.5-32b qwen3-32b qwen3-8b" ;;
+  qwen3-30b-a3b)
+    : "${CONFIG:=$REPO_DIR/examples/configs/qwen3-30b-a3b-bapo.yaml}" "${MODEL_DIR:=/models/Qwen3-30B-A3B}"
+    : "${OUTPUT_DIR:=/checkpoints/bapo-qwen3-30b-a3b}" "${ACTOR_NODES:=2}" "${ROLLOUT_NODES:=1}" "${ROLLOUT_TP:=2}"
+    : "${CONTEXT_LENGTH:=36864}" ;;  # the config turns on routing replay: servers get --enable-return-routed-experts
+  *) die "RECIPE=$RECIPE is not one of: qwen2.5-32b qwen3-32b qwen3-8b qwen3-30b-a3b" ;;
 esac
 DATA_PATH=${DATA_PATH:-/data/skywork-or1-rl.parquet}
 LOG_DIR=${LOG_DIR:-$OUTPUT_DIR/logs/${SLURM_JOB_ID:-local}}

@@ -13,8 +13,12 @@
 #    phase took: "timings: install 3 s, assets cached, train 141 s, total 150 s".
 #
 # Environment: TINY_DIR (task assets, default runs/tiny_assets), OUT (run dir, default
-# runs/tiny_bapo), CONFIG (default examples/configs/tiny_bapo.yaml). Re-running resumes from the
-# newest checkpoint in $OUT; pass trainer.resume=false (or delete $OUT) to start over.
+# runs/tiny_bapo), CONFIG (default examples/configs/tiny_bapo.yaml), TINY_ARCH (the model family of
+# freshly built assets: qwen2 by default, qwen3_moe for a mixture of experts). Re-running resumes from
+# the newest checkpoint in $OUT; pass trainer.resume=false (or delete $OUT) to start over.
+# A tiny Qwen3-MoE with rollout routing replay:
+#   TINY_ARCH=qwen3_moe TINY_DIR=runs/tiny_moe_assets OUT=runs/tiny_moe \
+#     CONFIG=examples/configs/tiny_moe.yaml bash examples/run_tiny_bapo.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -29,7 +33,7 @@ install_s=$((SECONDS - start))
 start=$SECONDS
 assets=cached
 if [ ! -f "$TINY_DIR/info.json" ]; then
-  "$PY" tools/make_tiny.py --out "$TINY_DIR" --force
+  "$PY" tools/make_tiny.py --out "$TINY_DIR" --force ${TINY_ARCH:+--architecture "$TINY_ARCH"}
   assets="$((SECONDS - start)) s"
 fi
 start=$SECONDS

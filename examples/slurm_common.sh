@@ -189,11 +189,13 @@ config_value() {
 # client rely on (megatron_bapo.rollout.pool.required_server_flags; the first weight update refuses
 # a server without them): --enable-deterministic-inference when rollout.deterministic_inference is
 # true (requests carry sampling seeds, ignored otherwise), --disable-radix-cache when
-# sync.pause_mode is in_place (the update cannot flush KV the old weights computed), and
-# --weight-version 0 (the servers start from the initial policy, version 0).
+# sync.pause_mode is in_place (the update cannot flush KV the old weights computed),
+# --enable-return-routed-experts when rollout.return_routed_experts is true (MoE routing replay:
+# ignored without the flag), and --weight-version 0 (the servers start from the initial policy, version 0).
 sync_server_flags() {
   SYNC_FLAGS=()
   [ "$(config_value rollout.deterministic_inference false "$@")" = true ] && SYNC_FLAGS+=(--enable-deterministic-inference)
   [ "$(config_value sync.pause_mode null "$@")" = in_place ] && SYNC_FLAGS+=(--disable-radix-cache)
+  [ "$(config_value rollout.return_routed_experts false "$@")" = true ] && SYNC_FLAGS+=(--enable-return-routed-experts)
   SYNC_FLAGS+=(--weight-version 0)
 }

@@ -229,6 +229,9 @@ class RunConfig:
                 f"(abort, retract or in_place): without a pause each bucket waits for the generation in flight and "
                 f"requests between buckets run on half-updated weights; set sync.pause_mode=abort or "
                 f"trainer.async_steps=0")
+        if self.actor.routing_replay and not ro.return_routed_experts:
+            raise ConfigError("actor.routing_replay=true replays the experts the rollout servers chose, which they "
+                              "return only when asked: set rollout.return_routed_experts=true")
         batch = ro.prompts_per_step * ro.group_size
         if batch % self.actor.n_minibatches:
             raise ConfigError(

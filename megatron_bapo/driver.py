@@ -82,7 +82,9 @@ class Driver:
                 console.info("resume: %s", note)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
-        flags = required_server_flags(deterministic_inference=ro.deterministic_inference, pause_mode=cfg.sync.pause_mode)
+        flags = required_server_flags(deterministic_inference=ro.deterministic_inference, pause_mode=cfg.sync.pause_mode,
+                                      routed_experts=ro.return_routed_experts)
+        self.routed_experts_shape = _routing_shape(cfg.model.hf_path) if ro.return_routed_experts else None
         self.pool = ServerPool(ro, model_path=cfg.model.hf_path, seed=cfg.trainer.seed,
                                log_dir=self.output_dir / "logs", state_path=self.output_dir / "servers.json",
                                server_flags=tuple(flags), weight_version=version, vocab_size=int(hf_config.vocab_size))
@@ -198,7 +200,8 @@ class Driver:
         t0 = time.monotonic()
         batch, metrics = build_experience(done.groups, self.tokenizer, cfg.reward, cfg.advantage,
                                           n_minibatches=cfg.actor.n_minibatches,
-                                          temperature=cfg.rollout.sampling.temperature)
+                                          temperature=cfg.rollout.sampling.temperature,
+                                          routed_experts_shape=self.routed_experts_shape)
         self.ledger.record(step, done.prompts, done.groups)
         metrics.update(done.metrics)
         metrics.update(self.dataset.metrics())
@@ -238,6 +241,18 @@ class Driver:
                     "run": self.record}
         finally:
             self.producer.resume()
+
+
+def _routing_shape(hf_path: str) -> tuple[int, int]:
+    """(num_layers, top_k) of the recorded MoE routing (`rollout.return_routed_experts`)."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(hf_path)
+    top_k = getattr(hf, "num_experts_per_tok", None)
+    if not top_k:
+        raise ConfigError(f"rollout.return_routed_experts=true, but model.hf_path={hf_path!r} is not a "
+                          f"mixture-of-experts model (no num_experts_per_tok); set it to false")
+    return int(hf.num_hidden_layers), int(top_k)
 
 
 class Follower:

@@ -38,6 +38,7 @@ def build_experience(
     *,
     n_minibatches: int = 1,
     temperature: float = 1.0,
+    routed_experts_shape: Optional[tuple[int, int]] = None,
 ) -> tuple[Optional[dict[str, Any]], dict[str, float]]:
     """Score, compute advantages, filter; returns (batch or None, `rollout/*` + `experience/*` metrics).
 
@@ -45,6 +46,8 @@ def build_experience(
     sample is stored on it (`sample.reward`) so callers can log or dump it. `temperature` is the
     sampling temperature of the rollouts; the batch carries it (`batch["temperature"]`) so the actor
     computes log-probs of the same distribution the behavior log-probs came from.
+    `routed_experts_shape` (num_layers, top_k): the batch carries the samples' recorded MoE routing
+    (`routed_experts`, for the actor's routing replay and `moe/*` metrics).
     """
     metrics: dict[str, float] = {"experience/num_groups": float(len(groups))}
     if not groups:
@@ -95,6 +98,6 @@ def build_experience(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = build_batch([samples[i] for i in keep_rows], pad_token_id=pad_id,
                         advantages=[float(advantages[i]) for i in keep_rows],
-                        rewards=[float(rewards[i]) for i in keep_rows])
+                        rewards=[float(rewards[i]) for i in keep_rows], routed_experts_shape=routed_experts_shape)
     batch["temperature"] = float(temperature)
     return batch, metrics

@@ -16,6 +16,13 @@ CONFIGS = {
     "qwen3_tied": ("qwen3", dict(BASE, max_position_embeddings=256, vocab_size=100, tie_word_embeddings=True, head_dim=24)),
     "qwen3_untied": ("qwen3", dict(BASE, max_position_embeddings=256, vocab_size=130, tie_word_embeddings=False,
                                    head_dim=24, rope_theta=1000000.0)),
+    # 8 experts of width 40, top-2 renormalised (as Qwen3-30B-A3B), untied head, head_dim 24 != 64 / 4
+    "qwen3_moe": ("qwen3_moe", dict(BASE, max_position_embeddings=256, vocab_size=130, tie_word_embeddings=False,
+                                    head_dim=24, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+                                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
+    "qwen3_moe_no_norm": ("qwen3_moe", dict(BASE, max_position_embeddings=256, vocab_size=100, tie_word_embeddings=True,
+                                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                            norm_topk_prob=False)),
     "llama": ("llama", dict(BASE, vocab_size=120, max_position_embeddings=16384, tie_word_embeddings=False, rope_theta=500000.0,
                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),

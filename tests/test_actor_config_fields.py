@@ -1,7 +1,8 @@
 """Every `ActorConfig` / `OptimConfig` / `ParallelConfig` / `BapoConfig` field reaches the code that acts on it.
 
-Two actors on real gloo ranks are built with a NON-default value in every field (one with TP 2,
-PP 2 x VPP 2 and sequence parallelism; one with CP 2, the distributed optimizer and bf16), run a
+Three actors on real gloo ranks are built with a NON-default value in every field (one with TP 2,
+PP 2 x VPP 2 and sequence parallelism; one with CP 2, the distributed optimizer and bf16; a
+mixture of experts with EP 2 x expert-TP 1, routing replay and the load-balancing loss), run a
 train step, and each field is checked where it acts: megatron-core's TransformerConfig, DDP
 config, optimizer config, LR schedule and process groups, or the actor's own calls (recorded by
 wrappers that delegate to the real functions). A field added to a config without a check here
@@ -23,6 +24,9 @@ pytest.importorskip("megatron.core")
 from test_actor_helpers import TINY_QWEN2, make_batch  # noqa: E402
 
 TINY4 = dict(TINY_QWEN2, num_hidden_layers=4)
+TINY_MOE = dict(TINY_QWEN2, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16,
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
+                tie_word_embeddings=False)
 
 BAPO = dict(rho0=0.35, low_start=0.55, low_max=0.85, high_start=1.25, high_max=2.5, high_step=0.1, low_step=0.03,
             contribution="surrogate", weight="rollout_prob", metric="printed", order="verl", dual_clip=2.5)
@@ -41,6 +45,10 @@ LAYOUT_A = dict(parallel=dict(tp=2, pp=2, vpp=2, sequence_parallel=True, backend
 LAYOUT_B = dict(parallel=dict(cp=2, backend="gloo", timeout_minutes=9), optim=dict(OPTIM_SGD, name="adam"),
                 packing=False, use_distributed_optimizer=True, dtype="bfloat16", old_logprobs="recompute",
                 correction=dict(mode="tis", tis_cap=1.5), mismatch=MISMATCH, **COMMON)
+LAYOUT_MOE = dict(parallel=dict(ep=2, etp=1, backend="gloo", timeout_minutes=5), optim=dict(OPTIM_SGD, name="adam"),
+                  packing=True, use_distributed_optimizer=True, dtype="float32", routing_replay=True,
+                  moe_aux_loss_coeff=0.01, old_logprobs="recompute", correction=dict(mode="tis", tis_cap=1.5),
+                  mismatch=MISMATCH, **COMMON)
 # ActorConfig defaults: packing=True, use_distributed_optimizer=True, dtype="float32": each layout
 # turns the ones it can (SGD needs the plain optimizer; bf16 runs with the distributed one).
 
@@ -56,7 +64,7 @@ class Recorder:
         return self.fn(*args, **kwargs)
 
 
-def _build_and_step(rank, world_size, layout):
+def _build_and_step(rank, world_size, layout, model=TINY4):
     from megatron.core import tensor_parallel
 
     import megatron_bapo.actor.actor as actor_mod
@@ -85,8 +93,12 @@ def _build_and_step(rank, world_size, layout):
 
     logging.getLogger(actor_mod.__name__).addHandler(Keep())
     cfg = from_dict(ActorConfig, {**layout, "bapo": BAPO}, "actor")
-    actor = Actor(cfg, TINY4)
+    actor = Actor(cfg, model)
     b = make_batch(num_seqs=8, max_len=24, seed=5)
+    if model.get("num_experts"):  # a recorded routing for every token: what routing replay forces
+        g = torch.Generator().manual_seed(6)
+        shape = (*b["input_ids"].shape, model["num_hidden_layers"], model["num_experts"])
+        b["routed_experts"] = torch.rand(shape, generator=g).argsort(-1)[..., :model["num_experts_per_tok"]].short()
     b["behavior_logprobs"] = actor.compute_logprobs(b) - 0.05
     layer_specs = [c[0][0] for c in spies["resolve_layer_spec"].calls]
     for spy in spies.values():
@@ -108,7 +120,10 @@ def _build_and_step(rank, world_size, layout):
         "tc": {k: getattr(mcfg, k) for k in (
             "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
             "context_parallel_size", "sequence_parallel", "recompute_granularity", "recompute_method",
-            "recompute_num_layers", "params_dtype", "bf16")},
+            "recompute_num_layers", "params_dtype", "bf16", "expert_model_parallel_size",
+            "expert_tensor_parallel_size", "moe_aux_loss_coeff", "moe_router_load_balancing_type")},
+        "ep_size": torch.distributed.get_world_size(actor.parallel.ep_group),
+        "replay_flags": {t.replay for t in actor.routing_tapes},
         "ddp_distributed_optimizer": actor.model[0].ddp_config.use_distributed_optimizer,
         "optimizer_classes": sorted({type(o).__name__ for o in inner}),
         "torch_optimizers": sorted({type(o.optimizer).__name__ for o in inner}),
@@ -152,6 +167,9 @@ CHECKS = {
     "parallel.cp": lambda L, r: r["tc"]["context_parallel_size"] == L["parallel"].get("cp", 1),
     "parallel.vpp": lambda L, r: r["tc"]["virtual_pipeline_model_parallel_size"] == L["parallel"].get("vpp"),
     "parallel.sequence_parallel": lambda L, r: r["tc"]["sequence_parallel"] == L["parallel"].get("sequence_parallel", False),
+    "parallel.ep": lambda L, r: r["tc"]["expert_model_parallel_size"] == L["parallel"].get("ep", 1) == r["ep_size"],
+    "parallel.etp": lambda L, r: r["tc"]["expert_tensor_parallel_size"]
+    == L["parallel"].get("etp", L["parallel"].get("tp", 1)),
     "parallel.backend": lambda L, r: r["backend"] == L["parallel"]["backend"],
     "parallel.timeout_minutes": lambda L, r: r["timeout"] == timedelta(minutes=L["parallel"]["timeout_minutes"]),
     "optim.name": lambda L, r: r["oc"]["optimizer"] == L["optim"]["name"]
@@ -187,6 +205,11 @@ CHECKS = {
     "recompute": lambda L, r: (r["tc"]["recompute_granularity"], r["tc"]["recompute_method"],
                                r["tc"]["recompute_num_layers"]) == ("full", "uniform", 1),
     "layer_spec": lambda L, r: r["layer_specs"] == [L["layer_spec"]] and r["core_attention"] == "SdpaAttention",
+    # every router forces the batch's recorded experts (dense models have no router)
+    "routing_replay": lambda L, r: r["replay_flags"] == ({True} if L.get("routing_replay") else set())
+    and (not L.get("routing_replay") or r["metrics"]["moe/routing_replayed"] > 0.5),
+    "moe_aux_loss_coeff": lambda L, r: r["tc"]["moe_aux_loss_coeff"] == L.get("moe_aux_loss_coeff", 0.0)
+    and (not L.get("moe_aux_loss_coeff") or r["tc"]["moe_router_load_balancing_type"] == "aux_loss"),
     "bapo.dual_clip": lambda L, r: not r["is_last_stage"] or r["dual_clip"] == {BAPO["dual_clip"]},
     # the recompute pass ran; the configured correction made the weights, with its own cap / band
     "old_logprobs": lambda L, r: (r["recompute_seconds"] > 0) == (L["old_logprobs"] == "recompute"),
@@ -230,9 +253,10 @@ def test_every_field_has_a_check():
     assert set(BAPO) == {p.split(".", 1)[1] for p in _field_paths() if p.startswith("bapo.")}
 
 
-@pytest.mark.parametrize("layout, world_size", [(LAYOUT_A, 4), (LAYOUT_B, 2)], ids=["tp2-pp2-vpp2-sp-packed", "cp2-distopt-bf16"])
-def test_every_field_reaches_where_it_acts(run_dist, layout, world_size):
-    for res in run_dist(_build_and_step, world_size, layout, timeout=300):
+@pytest.mark.parametrize("layout, world_size, model", [(LAYOUT_A, 4, TINY4), (LAYOUT_B, 2, TINY4), (LAYOUT_MOE, 2, TINY_MOE)],
+                         ids=["tp2-pp2-vpp2-sp-packed", "cp2-distopt-bf16", "moe-ep2-etp1-replay"])
+def test_every_field_reaches_where_it_acts(run_dist, layout, world_size, model):
+    for res in run_dist(_build_and_step, world_size, layout, model, timeout=300):
         failed = sorted(k for k, check in CHECKS.items() if not check(layout, res))
         assert not failed, f"fields that did not arrive: {failed}"
         assert math.isfinite(res["metrics"]["actor/loss"])

@@ -133,7 +133,7 @@ def test_load_errors_name_missing_and_unexpected_tensors(tmp_path, run_dist):
 def test_unknown_architecture_lists_supported_ones():
     from megatron_bapo.convert import get_mapping
 
-    with pytest.raises(ValueError, match=r"no weight mapping for architecture 'GemmaForCausalLM'; supported: \['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"):
+    with pytest.raises(ValueError, match=r"no weight mapping for architecture 'GemmaForCausalLM'; supported: \['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]"):
         get_mapping({"architectures": ["GemmaForCausalLM"]})
 
 

@@ -47,7 +47,7 @@ def test_registry_maps_llama3_rope_scaling_from_both_transformers_layouts():
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"architectures": ["MistralForCausalLM"]}, "supported: \\['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\\]"),
+        ({"architectures": ["MistralForCausalLM"]}, "supported: \\['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\\]"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"use_sliding_window": True}, "use_sliding_window"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
@@ -56,7 +56,7 @@ def test_registry_maps_llama3_rope_scaling_from_both_transformers_layouts():
 def test_registry_rejects_what_it_cannot_reproduce(change, match):
     with pytest.raises(ValueError, match=match):
         model_args_from_hf({**TINY_QWEN2, **change})
-    assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
 
 
 def test_llama_rope_scaling_with_unsupported_factors_fails():
@@ -270,7 +270,7 @@ def _sp_fwd_bwd(rank, world_size, hf_dir, tp, pp, sp, overrides, record):
     )
     mapping = get_mapping(hf)
     grads = {(rule.megatron[0], layer): param.main_grad.clone()
-             for _, (_, layer), rule, param in named_model_tensors([ddp], mapping)}
+             for _, (_, layer, _), rule, param in named_model_tensors([ddp], mapping)}
     return dict(
         lp=torch.stack([s[0] for s in seen]) if seen else None,
         logits=torch.stack([s[1] for s in seen]) if seen else None,

@@ -25,6 +25,9 @@ TINY = dict(
 )
 TINY_QWEN3 = dict(TINY, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, tie_word_embeddings=False)
 """q/k norms, and head_dim 32 != hidden 64 / 4 heads."""
+TINY_MOE = dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
+"""4 experts of width 48, 2 per token: split over EP 2."""
 SEQ = 64
 
 
@@ -61,6 +64,7 @@ def test_32b_true_parameter_count_and_fit(tmp_path):
 QWEN3_RECIPES = {  # config, HF config, GPUs, (tp, pp, cp, dp), the HF model's parameter count
     "qwen3-32b": ("qwen3-32b-bapo-64k.yaml", "qwen3-32b-config.json", 64, (8, 2, 2, 2), 32_762_123_264),
     "qwen3-8b": ("qwen3-8b-bapo.yaml", "qwen3-8b-config.json", 8, (4, 1, 2, 1), 8_190_735_360),
+    "qwen3-30b-a3b": ("qwen3-30b-a3b-bapo.yaml", "qwen3-30b-a3b-config.json", 16, (2, 1, 2, 4), 30_532_122_624),
 }
 
 
@@ -77,6 +81,12 @@ def test_qwen3_recipes_count_the_hf_models_parameters_and_fit_as_configured(tmp_
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["num_parameters"] == plan["num_parameters_padded"] == num_params  # 151936 = 1187 x 128
     assert (plan["tp"], plan["pp"], plan["cp"], plan["dp"]) == layout
+    if hf.get("num_experts"):  # 8 of 128 experts per token: 3.35B active (Qwen's "A3B"), experts over EP 8
+        assert plan["num_parameters_active"] == 3_353_032_704 and (plan["ep"], plan["etp"]) == (8, 1)
+        assert plan["fits_recompute"] and not plan["fits"]
+        eight = _plan("--config", str(ROOT / "examples/configs" / cfg), "--hf-config",
+                      str(ROOT / "examples/configs" / hf_cfg), "--gpus", "8", "--json")
+        assert eight.returncode == 1 and not json.loads(eight.stdout)["fits_recompute"]  # expert-DP 1: no room
 
 
 @pytest.mark.parametrize(
@@ -86,12 +96,23 @@ def test_qwen3_recipes_count_the_hf_models_parameters_and_fit_as_configured(tmp_
      ("actor.parallel.tp=10", 80, "num_key_value_heads=8"),
      ("actor.n_minibatches=3", 64, "actor.n_minibatches=3"),
      ("actor.parallel.cp=1", 40, "GPU count 40"),
-     ("actor.vocab_divisible_by=100", 64, "padded vocab")],
+     ("actor.vocab_divisible_by=100", 64, "padded vocab"),
+     ("actor.parallel.ep=2", 64, "actor.parallel.ep=2: Qwen2ForCausalLM is not a mixture-of-experts model"),
+     ("moe:actor.parallel.ep=3", 16, "actor.parallel.ep=3 must divide num_experts=128"),
+     ("moe:actor.parallel.ep=16", 16, "not divisible by actor.parallel.ep*etp*pp = 16*2*1"),
+     ("moe:actor.parallel.sequence_parallel=false", 16, "needs actor.parallel.sequence_parallel=true")],
 )
 def test_invalid_layout_names_the_field(override, gpus, field):
     from megatron_bapo.planner import PlanError, inputs_from_run_yaml, validate_layout
 
-    inputs = inputs_from_run_yaml(CFG_32B, [override], hf_config=HF_32B, num_gpus=gpus)
+    cfg, hf = CFG_32B, HF_32B
+    if override.startswith("moe:"):
+        override = override[4:]
+        cfg, hf = ROOT / "examples/configs/qwen3-30b-a3b-bapo.yaml", ROOT / "examples/configs/qwen3-30b-a3b-config.json"
+        if "ep=16" in override:
+            override = [override, "actor.parallel.etp=2"]
+    inputs = inputs_from_run_yaml(cfg, override if isinstance(override, list) else [override], hf_config=hf,
+                                  num_gpus=gpus)
     with pytest.raises(PlanError, match=field.replace("*", r"\*")):
         validate_layout(inputs)
 
@@ -101,7 +122,7 @@ def test_cli_exit_status_on_invalid_layout():
     assert out.returncode == 2 and "actor.parallel.tp=3" in out.stderr
 
 
-def _measure(rank, world_size, tp, pp, hf_config):
+def _measure(rank, world_size, tp, pp, hf_config, ep=1):
     """Bytes a real actor holds on this rank after one Adam step, and the bytes its forward saves."""
     from test_actor_helpers import make_batch
 
@@ -110,7 +131,7 @@ def _measure(rank, world_size, tp, pp, hf_config):
     from megatron_bapo.models.parallel import ParallelConfig
 
     cfg = ActorConfig(
-        optim=OptimConfig(name="adam", lr=1e-3), parallel=ParallelConfig(tp=tp, pp=pp),
+        optim=OptimConfig(name="adam", lr=1e-3), parallel=ParallelConfig(tp=tp, pp=pp, ep=ep),
         max_tokens_per_microbatch=SEQ, use_distributed_optimizer=False, vocab_divisible_by=64,
     )
     actor = Actor(cfg, hf_config)
@@ -147,15 +168,16 @@ def _measure(rank, world_size, tp, pp, hf_config):
     return out
 
 
-@pytest.mark.parametrize("tp, pp, hf_config", [(2, 1, TINY), (1, 2, TINY), (2, 1, TINY_QWEN3)],
-                         ids=["qwen2-tp2", "qwen2-pp2", "qwen3-tp2"])
-def test_model_state_matches_a_real_cpu_actor(run_dist, tmp_path, tp, pp, hf_config):
+@pytest.mark.parametrize("tp, pp, hf_config, ep", [(2, 1, TINY, 1), (1, 2, TINY, 1), (2, 1, TINY_QWEN3, 1),
+                                                   (1, 1, TINY_MOE, 2)],
+                         ids=["qwen2-tp2", "qwen2-pp2", "qwen3-tp2", "qwen3-moe-ep2"])
+def test_model_state_matches_a_real_cpu_actor(run_dist, tmp_path, tp, pp, hf_config, ep):
     hf = tmp_path / "config.json"
     hf.write_text(json.dumps(hf_config))
     run = {
         "model": {"hf_path": str(tmp_path)}, "data": {"max_prompt_tokens": SEQ // 2},
         "rollout": {"max_response_tokens": SEQ // 2, "prompts_per_step": 2, "group_size": 2},
-        "actor": {"parallel": {"tp": tp, "pp": pp}, "dtype": "float32", "use_distributed_optimizer": False,
+        "actor": {"parallel": {"tp": tp, "pp": pp, "ep": ep}, "dtype": "float32", "use_distributed_optimizer": False,
                   "max_tokens_per_microbatch": SEQ, "vocab_divisible_by": 64},
     }
     cfg = tmp_path / "run.yaml"
@@ -167,12 +189,14 @@ def test_model_state_matches_a_real_cpu_actor(run_dist, tmp_path, tp, pp, hf_con
     if hf_config is TINY:
         assert hf_num_params(TINY) == 100 * 64 + 2 * (64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
     assert plan["num_parameters"] == hf_num_params(hf_config)
-    measured = run_dist(_measure, 2, tp, pp, hf_config, timeout=240)
+    measured = run_dist(_measure, 2, tp, pp, hf_config, ep, timeout=240)
     stages = ["only"] if pp == 1 else ["first", "last"]
     for rank, stage in enumerate(stages if pp > 1 else stages * 2):
         want, got = plan["stages"][stage], measured[rank]
         for key in ("num_params", "params", "grads", "optimizer"):
             assert want[key] == got[key], (stage, key, want[key], got[key])
+    if ep > 1:  # each rank holds half the experts: the planner's count is its count
+        assert plan["stages"]["only"]["num_params"] < hf_num_params(hf_config) - 4 * 64  # ep halves the experts
     if pp == 1:
         h = hf_config["hidden_size"]
         # decoder layers + the final norm's saved input/output/linear input (3h per token)

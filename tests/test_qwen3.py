@@ -59,7 +59,7 @@ def test_layer_specs_get_q_and_k_norms_from_the_config():
 
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, kv_channels=24, qk_layernorm=True,
                             normalization="RMSNorm", use_cpu_initialization=True)
-    assert spec_options(cfg) == {"qk_layernorm": True}
+    assert spec_options(cfg) == {"qk_layernorm": True, "num_experts": None, "moe_grouped_gemm": False}
     attn = get_layer_spec(use_te=False, **spec_options(cfg)).submodules.self_attention.submodules
     assert attn.q_layernorm is SpTorchNorm and attn.k_layernorm is SpTorchNorm
     norm = SpTorchNorm(cfg, cfg.kv_channels, eps=1e-6)  # as SelfAttention builds it: one head_dim weight

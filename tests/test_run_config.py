@@ -62,6 +62,8 @@ def test_required_paths():
     (["rollout.sampling.extra={min_new_tokens: 4}"], ["min_new_tokens"]),
     (["rollout.sampling.extra={sampling_seed: 4}"], ["rollout.deterministic_inference"]),
     (["sync.group_timeout_s=0"], ["sync.group_timeout_s"]),
+    # Routing replay replays what the servers return only when asked to.
+    (["actor.routing_replay=true"], ["actor.routing_replay=true", "rollout.return_routed_experts=true"]),
 ])
 def test_combinations_that_cannot_work_are_refused_naming_the_fields(overrides, needles):
     with pytest.raises(ConfigError) as info:

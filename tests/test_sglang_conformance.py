@@ -10,7 +10,9 @@ only with `--enable-deterministic-inference`).
 
 The runs cover partial rollout (3-token segments of 6-token responses), rollout one step ahead,
 every `sync.pause_mode`, abort (the abort pause and the shutdown's abort_all), disk and distributed
-(gloo) weight sync with their cache flushes, and evaluation.
+(gloo) weight sync with their cache flushes, evaluation, and a Qwen3-MoE run with rollout routing
+replay (`return_routed_experts` with `routed_experts_start_len` on every segment, the server launched
+with `--enable-return-routed-experts`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ RUNS = [
     ("dist_retract_ahead", {"method": "distributed", "backend": "gloo", "pause_mode": "retract"}, {"async_steps": 1}, True),
     ("dist_nopause", {"method": "distributed", "backend": "gloo", "pause_mode": None},
      {"async_steps": 0, "eval_at_start": False}, False),
+    ("moe_replay_dist_abort", {"method": "distributed", "backend": "gloo", "pause_mode": "abort"},
+     {"async_steps": 0, "eval_at_start": False}, False),
 ]
+MOE_RUNS = {"moe_replay_dist_abort"}
+"""Runs of the tiny Qwen3-MoE with rollout routing replay (the per-expert weights go over the wire too)."""
 
 
 def check_records(records: Path, vocab_size: int) -> dict:
@@ -48,23 +54,38 @@ def check_records(records: Path, vocab_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory, tiny_hf_dir):
+def moe_hf_dir(tmp_path_factory):
+    from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("moe"), seed=0, architecture="qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, tiny_hf_dir, moe_hf_dir):
     """Each run's recorded requests (one server per run, behind its own proxy)."""
     from megatron_bapo.server.launch import start_server
 
     if not SGLANG_PYTHON.exists():
         pytest.fail(f"{SGLANG_PYTHON} is missing: run bash tools/install.sh --with-sglang")
     root = tmp_path_factory.mktemp("conformance")
-    assets = (write_assets(root), tiny_hf_dir)
+    write_assets(root)
     out = {}
     for name, sync, trainer, deterministic in RUNS:
+        moe = name in MOE_RUNS
+        model = moe_hf_dir if moe else tiny_hf_dir
+        assets = (root, model)
         records = root / f"{name}.jsonl"
-        flags = ["--num-threads", "1", *(["--enable-deterministic-inference"] if deterministic else [])]
-        with start_server(tiny_hf_dir, extra_args=flags) as server, RecordingProxy(server.url, records) as proxy:
+        flags = ["--num-threads", "1", *(["--enable-deterministic-inference"] if deterministic else []),
+                 *(["--enable-return-routed-experts"] if moe else [])]
+        with start_server(model, extra_args=flags) as server, RecordingProxy(server.url, records) as proxy:
             sections = {"sync": {**sync, "group_timeout_s": 120},
                         "rollout": {"group_size": 4, "prompts_per_step": 3, "max_response_tokens": 6,
                                     "segment_tokens": 3, "max_staleness": 3, "deterministic_inference": deterministic,
+                                    "return_routed_experts": moe,
                                     "client": {"urls": [proxy.url], "health_timeout_s": 180}}}
+            if moe:
+                sections["actor"] = {"optim": {"lr": 1e-3}, "n_minibatches": 2, "max_tokens_per_microbatch": 256,
+                                     "vocab_divisible_by": 64, "routing_replay": True}
             proc = start_train(run_config(assets, root / name, sections=sections, **trainer), assets)
             log, _ = proc.communicate(timeout=600)
             assert proc.returncode == 0, log[-4000:]
@@ -79,10 +100,11 @@ def test_pinned_sglang_is_what_the_check_reads():
 
 
 @pytest.mark.parametrize("name", [r[0] for r in RUNS])
-def test_every_recorded_request_conforms_to_the_pinned_sglang(recorded, name, tiny_hf_dir):
+def test_every_recorded_request_conforms_to_the_pinned_sglang(recorded, name, tiny_hf_dir, moe_hf_dir):
     from transformers import AutoConfig
 
-    report = check_records(recorded[name], AutoConfig.from_pretrained(tiny_hf_dir).vocab_size)
+    model = moe_hf_dir if name in MOE_RUNS else tiny_hf_dir
+    report = check_records(recorded[name], AutoConfig.from_pretrained(model).vocab_size)
     assert report["sglang"] == PINS["SGLANG_VERSION"]
     assert report["violations"] == [], "\n".join(report["violations"][:20])
     # The run really exercised what it is meant to cover.
@@ -102,6 +124,14 @@ def test_every_recorded_request_conforms_to_the_pinned_sglang(recorded, name, ti
     assert any(g["sampling_params"]["max_new_tokens"] < 6 for g in generate)  # partial rollout: segments
     seeded = any("sampling_seed" in g["sampling_params"] for g in generate)
     assert seeded == deterministic
+    routed = [g for g in generate if g.get("return_routed_experts")]
+    if name in MOE_RUNS:  # every rollout segment asks for the routing of the positions it computes first
+        # a first segment from position 0, a resumed one from its last token (the first one not computed yet)
+        starts = {g["routed_experts_start_len"] - (len(g["input_ids"]) - 1) if g["routed_experts_start_len"] else 0
+                  for g in routed}
+        assert starts == {0} and any(g["routed_experts_start_len"] > 0 for g in routed)
+    else:
+        assert not routed
 
 
 def test_the_check_catches_what_the_old_client_sent(tmp_path, tiny_hf_dir):
@@ -132,3 +162,19 @@ def test_the_check_catches_what_the_old_client_sent(tmp_path, tiny_hf_dir):
     assert "sampling_seed sent to a server without --enable-deterministic-inference" in text
     assert "flush_cache (explicit or the default true) while paused in place" in text
     assert "outside a begin/end weight-update session" in text
+
+
+def test_the_check_catches_routing_a_server_would_drop_or_refuse(tmp_path, tiny_hf_dir):
+    """`return_routed_experts` to a server launched without --enable-return-routed-experts (SGLang ignores
+    it: replay would get nothing), and a start beyond the input (SGLang aborts the request)."""
+    from transformers import AutoConfig
+
+    records = tmp_path / "routed.jsonl"
+    body = {"input_ids": [5, 6], "return_logprob": True, "return_routed_experts": True, "routed_experts_start_len": 3,
+            "rid": "b" * 32, "sampling_params": {"max_new_tokens": 3}}
+    rows = [{"method": "GET", "path": "/server_info", "body": None, "reply": {"enable_return_routed_experts": False}},
+            {"method": "POST", "path": "/generate", "body": body}]
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = "\n".join(check_records(records, AutoConfig.from_pretrained(tiny_hf_dir).vocab_size)["violations"])
+    assert "return_routed_experts sent to a server without --enable-return-routed-experts" in text
+    assert "routed_experts_start_len=3 outside [0, 2]" in text

@@ -98,8 +98,10 @@ def test_recipe_configs_are_valid_run_configs_with_the_paper_hyperparameters(nam
 @pytest.mark.parametrize(
     "recipe, config, model, nodes, server_args",
     [("qwen3-32b", "qwen3-32b-bapo-64k.yaml", "/models/Qwen3-32B", "16", "--tp-size 8 --host 0.0.0.0 --port 30000 --context-length 69632"),
-     ("qwen3-8b", "qwen3-8b-bapo.yaml", "/models/Qwen3-8B", "2", "--tp-size 1 --host 0.0.0.0 --port 30007 --context-length 36864")],
-    ids=["qwen3-32b", "qwen3-8b"],
+     ("qwen3-8b", "qwen3-8b-bapo.yaml", "/models/Qwen3-8B", "2", "--tp-size 1 --host 0.0.0.0 --port 30007 --context-length 36864"),
+     ("qwen3-30b-a3b", "qwen3-30b-a3b-bapo.yaml", "/models/Qwen3-30B-A3B", "3",
+      "--tp-size 2 --host 0.0.0.0 --port 30003 --context-length 36864")],
+    ids=["qwen3-32b", "qwen3-8b", "qwen3-30b-a3b"],
 )
 def test_32b_script_takes_the_recipe_through_a_variable(recipe, config, model, nodes, server_args):
     """RECIPE picks the run YAML, the checkpoint and (8B) the node split; DRY_RUN shows all of it."""
@@ -115,6 +117,8 @@ def test_32b_script_takes_the_recipe_through_a_variable(recipe, config, model, n
     servers = [ln for ln in lines if "sglang.launch_server" in ln]
     assert servers and all(f"--model-path {model} " in s for s in servers)
     assert any(server_args in s for s in servers)
+    # routing replay (the MoE recipe) needs the servers to return each token's experts
+    assert all(("--enable-return-routed-experts" in s) == (recipe == "qwen3-30b-a3b") for s in servers)
     actor = [ln for ln in lines if "megatron_bapo.train" in ln][0]
     assert f"--config {ROOT}/examples/configs/{config}" in actor and f"model.hf_path={model}" in actor
     assert len({ln.split("--nodelist=")[1].split()[0] for ln in servers}) + int(
@@ -149,3 +153,5 @@ def test_32b_dry_run_shows_the_server_flags_the_sync_relies_on():
     assert "--enable-deterministic-inference" not in plain and "--disable-radix-cache" not in plain
     both = flags("rollout.deterministic_inference=true", "sync.pause_mode=in_place")
     assert "--enable-deterministic-inference" in both and "--disable-radix-cache" in both
+    assert "--enable-return-routed-experts" not in both
+    assert "--enable-return-routed-experts" in flags("rollout.return_routed_experts=true")

@@ -25,7 +25,9 @@ What is SGLang's own judgment here, read from the installed package files:
 And the protocol rules of the pinned version, from its scheduler and tokenizer manager (see
 `SESSION_RULES` below): distributed updates only inside a begin/end weight-update session; no cache
 flush (explicit or an update's default `flush_cache: true`) while paused in place; `sampling_seed`
-only when the server runs with `--enable-deterministic-inference` (it is ignored otherwise).
+only when the server runs with `--enable-deterministic-inference` (it is ignored otherwise);
+`return_routed_experts` only when it runs with `--enable-return-routed-experts` (ignored otherwise: no
+routing comes back) and with `routed_experts_start_len` in `[0, len(input_ids)]` (refused otherwise).
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ class Checker:
         self.session = False
         self.paused: Optional[str] = None
         self.deterministic: Optional[bool] = None
+        self.routed_experts: Optional[bool] = None
 
     def check(self, i: int, rec: dict) -> list[str]:
         method, path, body = rec["method"].upper(), rec["path"], rec.get("body")
@@ -229,6 +232,14 @@ class Checker:
         if "sampling_seed" in params and self.deterministic is not True:
             errors.append(f"{where}: sampling_seed sent to a server without --enable-deterministic-inference "
                           f"(SGLang ignores it there)")
+        if body.get("return_routed_experts"):
+            if self.routed_experts is not True:
+                errors.append(f"{where}: return_routed_experts sent to a server without --enable-return-routed-experts "
+                              f"(SGLang ignores it there: the reply has no routed_experts)")
+            start, ids = body.get("routed_experts_start_len", 0), body.get("input_ids")
+            if isinstance(ids, list) and not 0 <= start <= len(ids):
+                errors.append(f"{where}: routed_experts_start_len={start} outside [0, {len(ids)}] (the scheduler "
+                              f"aborts the request)")
         return errors
 
     def _body(self, where: str, cls_name: str, body: Any) -> list[str]:
@@ -255,6 +266,7 @@ class Checker:
         errors = []
         if path in ("/server_info", "/get_server_info") and isinstance(rec.get("reply"), dict):
             self.deterministic = bool(rec["reply"].get("enable_deterministic_inference"))
+            self.routed_experts = bool(rec["reply"].get("enable_return_routed_experts"))
         elif path == "/pause_generation":
             self.paused = body.get("mode", "abort")
         elif path == "/continue_generation":

@@ -43,6 +43,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megatron_bapo.actor import moe
 from megatron_bapo.actor.config import ActorConfig
 from megatron_bapo.actor.errors import SkippedStepsError
 from megatron_bapo.actor.layout import POSITION_KEYS, MicroBatchLayout, local_position_ids
@@ -103,7 +104,7 @@ class Actor:
         # Micro-batches have different shapes (token budget); PP must then exchange shapes.
         # (megatron rejects variable lengths with the default MoE dispatcher even for dense models.)
         overrides = dict(calculate_per_token_loss=True, sequence_parallel=pc.sequence_parallel,
-                         **config.recompute_overrides())
+                         **config.recompute_overrides(), **moe.config_overrides(config, hf_config))
         if pc.pp > 1 and not pc.vpp:
             # Interleaved schedules exchange one fixed shape instead (`BatchSpec.common_shape` pads to it).
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
@@ -118,6 +119,8 @@ class Actor:
         logger.info("model: %s layer spec (%s); %s; fusions: %s", "transformer_engine" if spec.use_te else "local",
                     spec.reason, describe_attention(chunks[0].config, spec.use_te), ", ".join(fused) or "none")
         self.hf_vocab_size = chunks[0].hf_vocab_size
+        self.routing_tapes = moe.setup_tapes(chunks, replay=config.routing_replay)
+        self.moe_shape = moe.moe_shape(chunks)
         self.layout = MicroBatchLayout(
             packed=config.packing, cp_size=self.parallel.cp_size, cp_rank=self.parallel.cp_rank,
             sp_size=pc.tp if pc.sequence_parallel else 1,
@@ -174,7 +177,7 @@ class Actor:
             packed=cfg.packing, cp_size=self.parallel.cp_size, sp_size=self.layout.sp_size,
             dp_size=self.parallel.dp_size, max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
             n_minibatches=cfg.n_minibatches, ppo_epochs=cfg.ppo_epochs, loss_agg=cfg.loss_agg,
-            microbatch_multiple=pc.pp if pc.vpp else 1, common_shape=bool(pc.vpp),
+            microbatch_multiple=pc.pp if pc.vpp else 1, common_shape=bool(pc.vpp), moe=self.moe_shape is not None,
         )
 
     @property
@@ -205,6 +208,8 @@ class Actor:
         if "input_ids" in mb:  # the first pipeline stage; later stages take the previous stage's output
             ids = mb["input_ids"].to(dev).long()
             positions = local_position_ids(mb, self.layout).to(dev)
+        if self.moe_shape is not None:
+            moe.push_targets(model, mb)  # every stage: its own layers' routers
         logits = model(ids, positions, None, packed_seq_params=packed)
         return logits, partial(loss_fn, mb)
 
@@ -218,6 +223,7 @@ class Actor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         iters = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
+        moe.begin_pass(self.routing_tapes)
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, loss_fn),
             data_iterator=iters,
@@ -248,6 +254,8 @@ class Actor:
         identical on every rank."""
         temperature = check_batch(batch, ("input_ids", "attention_mask"))
         data = {"input_ids": batch["input_ids"].long(), "attention_mask": batch["attention_mask"].long()}
+        if moe.ROUTED_EXPERTS in batch:
+            data[moe.ROUTED_EXPERTS] = batch[moe.ROUTED_EXPERTS]
         for key in POSITION_KEYS:
             data[key] = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         spec, me = self.batch_spec, self.coords
@@ -433,6 +441,7 @@ class Actor:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         step = StepInputs(temperature=temperature, denominator=work.denominator, bounds=bounds)
+        moe.reset_stats(self.routing_tapes)
         stored = self._run(mbs, partial(self._train_loss, step, acc, measure), forward_only=False)
         for stats in stored:
             acc.add_stats(stats)
@@ -440,6 +449,10 @@ class Actor:
         search = self._share_from_last_stage(acc.search, reduce_dp=False)
         t2 = time.perf_counter()  # the loss sums are on the host: forward/backward has finished
         metrics = MetricSums.finalize(torch.cat([sums, search]))
+        if self.moe_shape is not None:  # the loss pass's routing (moe/*), from every rank
+            metrics.update(moe.collect_metrics(self.routing_tapes, num_layers=self.moe_shape[0],
+                                               num_experts=self.moe_shape[1], group=self.parallel.world_group,
+                                               device=self.device))
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         grad_norm = self._grad_norm_or_skip(metrics["actor/loss"])
         if grad_norm is not None:

@@ -117,6 +117,15 @@ class ActorConfig:
     """Activation recomputation: "none"; "selective" (megatron's core-attention recompute); "full"
     (every layer, uniform, 1 layer per checkpoint: keeps only each layer's input, the planner's
     `activations_recompute`). 64k-token sequences on a 32B model need "full"."""
+    routing_replay: bool = False
+    """Mixture-of-experts models: force, in every forward of a step (bound search, loss, recompute,
+    log-probs), the experts the rollout server chose for each token (rollout routing replay; the
+    batch's `routed_experts`, which needs `rollout.return_routed_experts`). Off: the router's own
+    choice, and `moe/routing_mismatch` reports how often it differs from the rollout's."""
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of megatron's load-balancing loss on the router (the
+    `aux_loss` type); 0 = off, as RL recipes run it (the reward, not balance, should move the
+    router). `moe/load_balance` logs the balance either way."""
 
     def recompute_overrides(self) -> dict:
         """The megatron-core `TransformerConfig` fields for `recompute`."""
@@ -176,3 +185,5 @@ class ActorConfig:
             )
         if self.max_skipped_steps < 0:
             raise ValueError(f"ActorConfig.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
+        if not self.moe_aux_loss_coeff >= 0:
+            raise ValueError(f"ActorConfig.moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")

@@ -38,6 +38,10 @@ What we do (no change to megatron-core):
 On GPU with TE/Apex FusedAdam there is no per-parameter `step`: both step edits find nothing to do,
 and the load is exactly megatron's `load_state_dict` (param groups, including their `step`, then
 `load_parameter_state_from_fully_reshardable`).
+
+Mixture-of-experts models get a chain of two distributed optimizers (dense parameters over the
+data-parallel group, expert parameters over the expert-data-parallel group); megatron's
+`ChainedOptimizer` saves them as one entry per member, and each member is loaded as above.
 """
 
 from __future__ import annotations
@@ -52,18 +56,16 @@ SHARDING_TYPE = "fully_reshardable"
 METADATA = {"distrib_optim_sharding_type": SHARDING_TYPE, "distrib_optim_fully_reshardable_mem_efficient": False}
 
 
-def _distributed(optimizer):
-    """The DistributedOptimizer inside the actor's (chained) megatron optimizer, or None."""
+def _members(optimizer) -> list:
+    """The optimizers chained in the actor's megatron optimizer (one for a dense model; dense and
+    expert parameters for a mixture of experts)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _is_distributed(opt) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    members = list(getattr(optimizer, "chained_optimizers", [optimizer]))
-    dist_members = [o for o in members if isinstance(o, DistributedOptimizer)]
-    if not dist_members:
-        return None
-    if len(members) > 1:  # e.g. MoE expert parameters get their own member; dense models build one
-        raise ValueError(f"distributed-optimizer checkpoints support one optimizer (dense models); this one chains "
-                         f"{len(members)} (e.g. MoE expert parameters): set actor.use_distributed_optimizer=false")
-    return dist_members[0]
+    return isinstance(opt, DistributedOptimizer)
 
 
 def _torch_adam(opt) -> bool:
@@ -88,9 +90,9 @@ def _init_torch_adam_state(opt) -> None:
 
 def sharded_state_dict(optimizer, model_sharded_state_dict: dict, *, is_loading: bool) -> dict:
     """`optimizer.sharded_state_dict` in the format above; works on a fresh optimizer too."""
-    opt = _distributed(optimizer)
-    if opt is not None:
-        _init_torch_adam_state(opt)
+    for opt in _members(optimizer):
+        if _is_distributed(opt):
+            _init_torch_adam_state(opt)
     return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=METADATA)
 
 
@@ -119,8 +121,17 @@ def _load_distributed(opt, state_dict: dict) -> None:
 
 def load_state_dict(optimizer, state_dict: Any) -> None:
     """Load what `dist_checkpointing.load` returned for `sharded_state_dict(..., is_loading=True)`."""
-    opt = _distributed(optimizer)
-    if opt is None:
+    members = _members(optimizer)
+    if not any(_is_distributed(opt) for opt in members):
         optimizer.load_state_dict(state_dict)
-    else:
-        _load_distributed(opt, state_dict)
+        return
+    states = [state_dict] if len(members) == 1 else [v for _, v in sorted(state_dict.items())]
+    if len(states) != len(members):
+        raise ValueError(f"the checkpoint holds {len(states)} optimizer state(s), this optimizer chains {len(members)}")
+    for opt, state in zip(members, states):
+        if _is_distributed(opt):
+            _load_distributed(opt, state)
+        else:
+            opt.load_state_dict(state)
+    if len(members) > 1:
+        optimizer._synchronize_steps()

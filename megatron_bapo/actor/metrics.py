@@ -77,8 +77,8 @@ def average_steps(steps: Iterable[dict[str, float]]) -> dict[str, float]:
     """Mean of each metric over optimizer steps, ignoring NaN (skipped steps); NaN if all are NaN."""
     steps = list(steps)
     out: dict[str, float] = {}
-    for k in (steps[0] if steps else {}):
-        vals = [s[k] for s in steps if not math.isnan(s[k])]
+    for k in dict.fromkeys(k for s in steps for k in s):  # a skipped step lacks e.g. the moe/* keys
+        vals = [s[k] for s in steps if k in s and not math.isnan(s[k])]
         out[k] = sum(vals) / len(vals) if vals else float("nan")
     return out
 

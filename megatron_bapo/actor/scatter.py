@@ -16,11 +16,13 @@ those only what its pipeline stage reads:
 | last (loss)        | `labels`, `row` (the token's sequence in its mini-batch) and the |
 |                    | `POSITION_KEYS` (loss mask, behavior log-probs, advantages,      |
 |                    | aggregation weights, version lag)                                |
+| every stage (MoE)  | `routed_experts` (the recorded routing its routers replay) and   |
+|                    | `row` (which tokens count in the routing statistics)             |
 
 Position ids are rebuilt on the rank from the layout. `scatter_batch` sends each rank its slice
 over a gloo group (sizes broadcast, then one point-to-point message per rank; ranks that differ
 only in their TP rank get the same bytes, serialised once). On the wire ids and rows are int32, the
-loss mask is bool and the version lag uint8 (clamped to 255). `docs/parallelism.md` states the bytes per step; `benchmarks/bench_scatter.py`
+loss mask is bool, the version lag uint8 (clamped to 255) and expert ids int16. `docs/parallelism.md` states the bytes per step; `benchmarks/bench_scatter.py`
 measures them. With every rank holding the global batch (tests, one process), `Actor.train_step`
 cuts its own slice the same way, without communication.
 """
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bapo.actor import batching
+from megatron_bapo.actor.moe import ROUTED_EXPERTS, attach_targets
 from megatron_bapo.actor.layout import (
     POSITION_KEYS,
     MicroBatchLayout,
@@ -49,9 +52,10 @@ from megatron_bapo.algorithms import aggregation_weights
 REQUIRED_KEYS = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "advantages")
 FIRST_STAGE_KEYS = ("input_ids",)
 LAST_STAGE_KEYS = ("labels", "row") + POSITION_KEYS
+MOE_KEYS = (ROUTED_EXPERTS, "row")
 SHAPE_KEYS = ("cu_seqlens", "max_seqlen", "shape")
 _WIRE_DTYPES = {"input_ids": torch.int32, "labels": torch.int32, "row": torch.int32, "loss_mask": torch.bool,
-                "lag": torch.uint8}
+                "lag": torch.uint8, ROUTED_EXPERTS: torch.int16}
 """Narrower dtypes on the wire (restored on receipt): token ids and rows < 2^31, a 0/1 mask, lags <= 255."""
 _RESTORE_DTYPES = {"input_ids": torch.long, "labels": torch.long, "row": torch.long, "loss_mask": torch.float32,
                    "lag": torch.float32}
@@ -75,6 +79,8 @@ class BatchSpec:
     """Micro-batch count multiple (interleaved pipelines need a multiple of the pipeline size)."""
     common_shape: bool = False
     """Pad every micro-batch of a pass to one shape (interleaved pipelines exchange a fixed shape)."""
+    moe: bool = False
+    """A mixture-of-experts model: every stage's routers read `MOE_KEYS`."""
 
     def layout(self, cp_rank: int) -> MicroBatchLayout:
         return MicroBatchLayout(packed=self.packed, cp_size=self.cp_size, cp_rank=cp_rank, sp_size=self.sp_size)
@@ -145,6 +151,8 @@ def prepare_tensors(batch: dict[str, torch.Tensor], current_version: Optional[in
     mask = (batch["loss_mask"] > 0) & (out["attention_mask"] > 0)
     mask[:, 0] = False
     out["loss_mask"] = mask.float()
+    if ROUTED_EXPERTS in batch:  # the rollout's MoE routing `[B, T, layers, top_k]`
+        out[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]
     versions = batch.get("versions")
     if versions is None or not bool(mask.any()):
         out["lag"] = torch.zeros(mask.shape, dtype=torch.float32)
@@ -176,16 +184,19 @@ def local_microbatches(data: dict[str, torch.Tensor], rows_plan: list[list[list[
         out = [pad_packed_microbatch(mb, longest, layout) for mb in out]
     for mb in out:
         mb["shape"] = tuple(mb["input_ids"].shape)
+        attach_targets(mb, data)  # the recorded MoE routing of each position, when the batch has it
     return out
 
 
-def stage_view(mb: dict, coords: RankCoords) -> dict:
+def stage_view(mb: dict, coords: RankCoords, moe: bool = False) -> dict:
     """The keys of a micro-batch that a rank at `coords` reads (see the module table)."""
     keys = [k for k in SHAPE_KEYS if k in mb]
     if coords.first_stage:
         keys += FIRST_STAGE_KEYS
     if coords.last_stage:
         keys += [k for k in LAST_STAGE_KEYS if k in mb]
+    if moe:
+        keys += [k for k in MOE_KEYS if k in mb and k not in keys]
     return {k: mb[k] for k in keys}
 
 
@@ -222,7 +233,7 @@ class PreparedBatch:
             key = (i, coords.dp_rank, coords.cp_rank)
             if not skip and key not in self._built:  # pipeline stages of one DP x CP rank share them
                 self._built[key] = local_microbatches(mini, rows_plan, self.spec, coords.dp_rank, coords.cp_rank)
-            mbs = [] if skip else [stage_view(mb, coords) for mb in self._built[key]]
+            mbs = [] if skip else [stage_view(mb, coords, self.spec.moe) for mb in self._built[key]]
             work.append(MiniBatchWork(skip=skip, denominator=denominator, microbatches=mbs,
                                       num_rows=self.rows_per_minibatch))
         return RankBatch(temperature=self.temperature, num_tokens=self.num_tokens, minibatches=work,

@@ -3,6 +3,10 @@ iterate the model as HF-named full tensors (weight sync), and save it as an HF d
 
 Layer indices: a model chunk names its layers `decoder.layers.<local j>`; the global index is
 `layer.layer_number - 1`, which megatron sets from the pipeline (and virtual pipeline) offset.
+Experts: a MoE layer names its experts by their index on this expert-parallel rank; the global
+index is the layer's `local_expert_indices[e]`. Expert tensors split over the expert-tensor-parallel
+group, and the experts of a layer live on the ranks of the expert-parallel group, so the gathers of
+`iter_hf_tensors` run over those groups for them.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from megatron_bapo.run_state import replace_dir
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[int, Optional[int]]
-"""(rule position in the family's rule list, global layer index or None)."""
+Key = tuple[int, Optional[int], Optional[int]]
+"""(rule position in the family's rule list, global layer index or None, global expert index or None)."""
 
 
 def unwrap(chunk: Any):
@@ -65,19 +69,31 @@ def named_model_tensors(model_chunks: Sequence[Any], mapping: ModelMapping) -> I
     positions = {id(r): k for k, r in enumerate(mapping.rules)}
     for chunk in model_chunks:
         model = unwrap(chunk)
-        layer_number = {j: int(layer.layer_number) - 1 for j, layer in enumerate(model.decoder.layers)} if hasattr(model, "decoder") else {}
+        layers = list(model.decoder.layers) if hasattr(model, "decoder") else []
+        layer_number = {j: int(layer.layer_number) - 1 for j, layer in enumerate(layers)}
         for name, param in model.named_parameters():
             hit = mapping.match_megatron(name)
             if hit is None:
                 raise KeyError(f"megatron parameter {name!r} has no HF mapping in {mapping.architecture}")
-            rule, j = hit
+            rule, j, local_expert = hit
             layer = layer_number[j] if j is not None else None
-            yield name, (positions[id(rule)], layer), rule, param
+            expert = None if local_expert is None else int(layers[j].mlp.local_expert_indices[local_expert])
+            yield name, (positions[id(rule)], layer, expert), rule, param
 
 
 def _tp(tp_group) -> tuple[Any, int, int]:
     group = tp_group if tp_group is not None else current_groups().tp_group
     return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _expert_groups(etp_group, ep_group) -> tuple[Any, int, int, Any, int, int]:
+    """(etp group, rank, size, ep group, rank, size), defaults from megatron's parallel state."""
+    if etp_group is None or ep_group is None:
+        groups = current_groups()
+        etp_group = etp_group if etp_group is not None else groups.etp_group
+        ep_group = ep_group if ep_group is not None else groups.ep_group
+    return (etp_group, dist.get_rank(etp_group), dist.get_world_size(etp_group),
+            ep_group, dist.get_rank(ep_group), dist.get_world_size(ep_group))
 
 
 def check_hf_names(mapping: ModelMapping, info: ShapeInfo, names: Sequence[str], source: str) -> None:
@@ -104,12 +120,14 @@ def load_hf_into_model(
     *,
     hf_config: Any = None,
     tp_group: Any = None,
+    etp_group: Any = None,
 ) -> int:
     """Copy the weights of an HF safetensors checkpoint into this rank's model chunks.
 
     No communication: every rank reads (memory-mapped, one tensor at a time) only the HF tensors its
-    TP/PP position needs and keeps its TP part. `hf_config` defaults to `<hf_dir>/config.json`; the
-    TP rank/size come from `tp_group` (default: megatron's parallel_state). Tied embeddings also fill
+    TP/PP/EP position needs and keeps its TP part (its expert-TP part of its own experts).
+    `hf_config` defaults to `<hf_dir>/config.json`; the TP (expert-TP) rank/size come from
+    `tp_group` (`etp_group`), default: megatron's parallel_state. Tied embeddings also fill
     the last stage's `output_layer.weight` when PP > 1. Raises naming missing/unexpected tensors.
 
     After loading into an Actor whose optimizer keeps separate main (fp32) params, call
@@ -122,18 +140,21 @@ def load_hf_into_model(
     mapping = get_mapping(hf_config)
     info = model_shape_info(model_chunks, hf_config)
     _, tp_rank, tp_size = _tp(tp_group)
+    if info.num_experts:
+        _, etp_rank, etp_size, *_ = _expert_groups(etp_group, None)
     count = 0
     with HFCheckpointReader(hf_dir) as reader:
         check_hf_names(mapping, info, reader.names(), str(hf_dir))
-        for name, (_, layer), rule, param in named_model_tensors(model_chunks, mapping):
-            hf_names = mapping.hf_names(rule, layer)
+        for name, (_, layer, expert), rule, param in named_model_tensors(model_chunks, mapping):
+            hf_names = mapping.hf_names(rule, layer, expert)
             if info.tie_word_embeddings and rule.megatron[0] == mapping.tied_megatron:
                 hf_names = ["model.embed_tokens.weight"]  # the last stage's copy of the tied embedding
             full = hf_to_full(rule, [reader.get(n) for n in hf_names], info)
-            part = shard(rule, full, tp_rank, tp_size)
+            rank, size = (etp_rank, etp_size) if rule.per_expert else (tp_rank, tp_size)
+            part = shard(rule, full, rank, size)
             if tuple(part.shape) != tuple(param.shape):
                 raise ValueError(
-                    f"{name}: HF {hf_names} give shape {tuple(part.shape)} on TP rank {tp_rank}/{tp_size}, "
+                    f"{name}: HF {hf_names} give shape {tuple(part.shape)} on (expert-)TP rank {rank}/{size}, "
                     f"the model has {tuple(param.shape)} (does the config match the checkpoint?)"
                 )
             param.data.copy_(part.to(param.dtype))
@@ -160,16 +181,21 @@ def iter_hf_tensors(
     gather_to: str = "all",
     tp_group: Any = None,
     pp_group: Any = None,
+    etp_group: Any = None,
+    ep_group: Any = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield the live model's weights as HF-named full tensors, in buckets of <= `bucket_bytes`.
 
-    Collective: every rank of the model-parallel group (TP x PP) must iterate to the end, in step.
-    TP parts are all-gathered over `tp_group`; across pipeline stages `gather_to` decides who gets what:
+    Collective: every rank of the model-parallel group (TP x PP, and with experts the expert-TP and
+    expert-parallel groups) must iterate to the end, in step. TP parts are all-gathered over
+    `tp_group` (expert parts over `etp_group`); each expert is broadcast from the expert-parallel
+    rank holding it to its `ep_group`; across pipeline stages `gather_to` decides who gets what:
     "all" (broadcast: every rank yields every tensor), "first" (stage 0 yields every tensor, other
     stages send theirs and yield nothing), "local" (each stage yields only its own tensors, e.g. for
-    per-stage NCCL weight sync). Order is HF order (embedding, layers, norm, head). Tensors are on the
-    parameters' device, cast to `dtype` when given. A tensor larger than `bucket_bytes` is alone in its bucket.
-    Different DP/CP replicas hold identical weights; run it on one replica or on all.
+    per-stage NCCL weight sync). Order is HF order (embedding, layers with their experts, norm,
+    head). Tensors are on the parameters' device, cast to `dtype` when given. A tensor larger than
+    `bucket_bytes` is alone in its bucket. Different DP/CP replicas hold identical weights; run it on
+    one replica (with expert parallelism: `ParallelGroups.exports_weights`) or on all.
     """
     if gather_to not in ("all", "first", "local"):
         raise ValueError(f"iter_hf_tensors: gather_to must be 'all', 'first' or 'local', got {gather_to!r}")
@@ -181,6 +207,10 @@ def iter_hf_tensors(
     pp_group = pp_group if pp_group is not None else current_groups().pp_group
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     device = next(unwrap(model_chunks[0]).parameters()).device  # receive buffers: where the weights live
+    ep_size = 1
+    if info.num_experts:
+        etp_group, _, etp_size, ep_group, ep_rank, ep_size = _expert_groups(etp_group, ep_group)
+        num_local = info.num_experts // ep_size
 
     local: dict[Key, tuple[TensorRule, torch.nn.Parameter]] = {}
     meta: dict[Key, tuple[list[int], torch.dtype]] = {}
@@ -188,8 +218,13 @@ def iter_hf_tensors(
         if info.tie_word_embeddings and rule.megatron[0] == mapping.tied_megatron:
             continue  # the embedding (stage 0) is the HF tensor
         local[key] = (rule, param)
-        meta[key] = (_full_shape(rule, param.shape, tp_size), dtype or param.dtype)
-    owners: dict[Key, int] = {k: pp_rank for k in local}
+        entry = (_full_shape(rule, param.shape, etp_size if rule.per_expert else tp_size), dtype or param.dtype)
+        if rule.per_expert:  # after the expert-parallel broadcast this stage holds every expert
+            for e in range(info.num_experts):
+                meta[(key[0], key[1], e)] = entry
+        else:
+            meta[key] = entry
+    owners: dict[Key, int] = {k: pp_rank for k in meta}
     if pp_size > 1:
         gathered: list = [None] * pp_size
         dist.all_gather_object(gathered, {k: m for k, m in meta.items()}, group=pp_group)
@@ -198,33 +233,51 @@ def iter_hf_tensors(
                 owners.setdefault(k, stage)
                 meta.setdefault(k, m)
     positions = {id(r): k for k, r in enumerate(mapping.rules)}
-    order = [(positions[id(r)], i) for r, i in mapping.rules_for(info)]
-    missing = [mapping.hf_names(mapping.rules[p], i) for p, i in order if (p, i) not in owners]
+    order = [(positions[id(r)], i, e) for r, i, e in mapping.rules_for(info)]
+    missing = [mapping.hf_names(mapping.rules[p], i, e) for p, i, e in order if (p, i, e) not in owners]
     if missing:
         raise KeyError(f"iter_hf_tensors: no pipeline stage holds the tensors for {missing[:10]}")
+
+    def empty_hf(key: Key) -> list[torch.Tensor]:
+        full_shape, dt = meta[key]
+        shapes = [t.shape for t in full_to_hf(mapping.rules[key[0]], torch.empty(full_shape, device="meta"), info)]
+        return [torch.empty(s, dtype=dt, device=device) for s in shapes]
+
+    def gathered_hf(key: Key) -> list[torch.Tensor]:
+        """This stage's full HF tensors of `key` (TP / expert-TP gather, expert-parallel broadcast)."""
+        rule = mapping.rules[key[0]]
+        if rule.per_expert and ep_size > 1:
+            owner = key[2] // num_local
+            tensors = own_hf(key) if owner == ep_rank else empty_hf(key)
+            for t in tensors:
+                dist.broadcast(t, src=dist.get_global_rank(ep_group, owner), group=ep_group)
+            return tensors
+        return own_hf(key)
+
+    def own_hf(key: Key) -> list[torch.Tensor]:
+        rule, param = local[key]
+        group, size = (etp_group, etp_size) if rule.per_expert else (tp_group, tp_size)
+        data = param.detach().to(meta[key][1]).contiguous()
+        if size > 1:
+            parts = [torch.empty_like(data) for _ in range(size)]
+            dist.all_gather(parts, data, group=group)
+        else:
+            parts = [data]
+        return [t.contiguous() for t in full_to_hf(rule, unshard(rule, parts), info)]
 
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for key in order:
         rule = mapping.rules[key[0]]
-        names = mapping.hf_names(rule, key[1])
+        names = mapping.hf_names(rule, key[1], key[2])
         owner = owners[key]
         tensors: Optional[list[torch.Tensor]] = None
         if owner == pp_rank:
-            _, param = local[key]
-            data = param.detach().to(meta[key][1]).contiguous()
-            if tp_size > 1:
-                parts = [torch.empty_like(data) for _ in range(tp_size)]
-                dist.all_gather(parts, data, group=tp_group)
-            else:
-                parts = [data]
-            tensors = [t.contiguous() for t in full_to_hf(rule, unshard(rule, parts), info)]
+            tensors = gathered_hf(key)
         if pp_size > 1 and gather_to != "local":
             wants = gather_to == "all" or pp_rank == 0
             if owner != pp_rank and (gather_to == "all" or (pp_rank == 0)):
-                full_shape, dt = meta[key]
-                shapes = [t.shape for t in full_to_hf(rule, torch.empty(full_shape, device="meta"), info)]
-                tensors = [torch.empty(s, dtype=dt, device=device) for s in shapes]
+                tensors = empty_hf(key)
             src = dist.get_global_rank(pp_group, owner)
             for t in tensors or []:
                 if gather_to == "all":
@@ -261,7 +314,9 @@ def save_model_as_hf(
     """Write the live model as an HF directory (sharded safetensors, index, config, tokenizer files).
 
     Collective over every rank of `parallel` (the actor's `ParallelGroups`; default: megatron's
-    current state). Only the first data/context-parallel replica gathers (over its TP/PP groups); the rank with TP = PP = DP = CP rank 0 writes `<out_dir>.tmp`
+    current state). Only the first data/context-parallel replica gathers (over its TP/PP groups, and
+    with expert parallelism together with the ranks holding the first copy of the other experts:
+    `ParallelGroups.exports_weights`); the rank with TP = PP = DP = CP rank 0 writes `<out_dir>.tmp`
     and renames it to `out_dir` when complete (an existing `out_dir` is replaced when `overwrite`,
     otherwise FileExistsError), so a reader never sees a partial directory.
     `hf_config` (PretrainedConfig or dict) goes to config.json with `dtype`; `tokenizer_src` is an HF
@@ -283,7 +338,7 @@ def save_model_as_hf(
         raise error or RuntimeError(f"save_model_as_hf: the writer rank refused to write {out}")
     tmp = out.with_name(out.name + ".tmp")
     written = None
-    if first_replica:
+    if parallel.exports_weights:
         writer = None
         if writer_rank:
             if tmp.exists():
@@ -291,7 +346,8 @@ def save_model_as_hf(
             writer = HFShardWriter(tmp, max_shard_bytes=max_shard_bytes, dtype=dtype)
         bucket_bytes = max(min(max_shard_bytes, 512 * 2**20), 1)
         buckets = iter_hf_tensors(model_chunks, hf_config, bucket_bytes=bucket_bytes, dtype=dtype, gather_to="first",
-                                  tp_group=parallel.tp_group, pp_group=parallel.pp_group)
+                                  tp_group=parallel.tp_group, pp_group=parallel.pp_group,
+                                  etp_group=parallel.etp_group, ep_group=parallel.ep_group)
         for bucket in buckets:
             if writer is not None:
                 writer.add_all(bucket)

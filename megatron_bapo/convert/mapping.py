@@ -11,6 +11,14 @@ and a `kind` that says how the HF tensors fuse into it and how it splits across 
 - `vocab`: rows padded with zeros from the HF `vocab_size` to the padded vocab size; dim-0 chunks.
 - `column` / `row`: dim-0 / dim-1 chunks; `replicated`: same on every TP rank.
 
+Experts (a mixture of experts): a rule whose names hold `{e}` has one tensor per expert. On the HF
+side `{e}` is the global expert index (`model.layers.3.mlp.experts.17.gate_proj.weight`); in a live
+model it is the index among this expert-parallel rank's local experts (megatron's `SequentialMLP`
+`local_experts.{e}`, TE's grouped `linear_fc1.weight{e}`), whose global index the MoE layer knows
+(`local_expert_indices`); expert tensors split over the expert-tensor-parallel group, not the TP
+group. In `torch_dist` checkpoints every expert tensor of a layer stack is one key with a layer and an
+expert axis (`TensorRule.checkpoint_key`), so checkpoints reshard between expert-parallel sizes.
+
 Each family's mapping lives in its own file under `convert/families/`; the explicit table there
 (`families.MAPPINGS`, `families.get_mapping`) is keyed by the HF `architectures` name. This module
 knows no family, so the dependency runs one way: families -> mapping.
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -38,6 +46,8 @@ class ShapeInfo:
     padded_vocab_size: int
     num_layers: int
     tie_word_embeddings: bool
+    num_experts: int = 0
+    """Experts per MoE layer (0: a dense model)."""
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, *, vocab_divisible_by: int = 128) -> "ShapeInfo":
@@ -53,6 +63,7 @@ class ShapeInfo:
             padded_vocab_size=args.padded_vocab_size,
             num_layers=ck["num_layers"],
             tie_word_embeddings=bool(args.gpt_kwargs["share_embeddings_and_output_weights"]),
+            num_experts=int(ck.get("num_moe_experts") or 0),
         )
 
 
@@ -60,13 +71,17 @@ class ShapeInfo:
 class TensorRule:
     """One megatron-core tensor and the HF tensors it is made of.
 
-    Names may contain `{i}` (the global layer index). `megatron[0]` is the local-spec name; the
+    Names may contain `{i}` (the global layer index) and `{e}` (the expert: global on the HF side,
+    local to the expert-parallel rank in megatron names). `megatron[0]` is the local-spec name; the
     other entries are aliases (Transformer Engine spec fuses layernorms into the next linear).
     """
 
     megatron: tuple[str, ...]
     hf: tuple[str, ...]
     kind: str
+    checkpoint_key: Optional[str] = None
+    """The key of this tensor (all layers, all experts) in `torch_dist` checkpoints; default: each
+    megatron name without its `{i}.` (layers are stacked on a leading axis)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -78,6 +93,16 @@ class TensorRule:
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.megatron[0]
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.megatron[0]
+
+    def checkpoint_keys(self) -> list[str]:
+        """Every key this tensor may have in a `torch_dist` checkpoint (local and TE spec)."""
+        if self.checkpoint_key is not None:
+            return [self.checkpoint_key]
+        return list(dict.fromkeys(alias.replace("{i}.", "") for alias in self.megatron))
 
 
 # --------------------------------------------------------------------------- transforms (full tensors)
@@ -161,38 +186,47 @@ class ModelMapping:
     def __post_init__(self) -> None:
         for rule in self.rules:
             for name in rule.megatron:
-                pattern = re.escape(name).replace(re.escape("{i}"), r"(\d+)")
+                pattern = re.escape(name).replace(re.escape("{i}"), r"(?P<i>\d+)").replace(re.escape("{e}"), r"(?P<e>\d+)")
                 self._index[name] = (re.compile(pattern + "$"), rule)
 
-    def match_megatron(self, name: str) -> Optional[tuple[TensorRule, Optional[int]]]:
-        """(rule, layer index in `name` or None) for a megatron parameter name, or None."""
+    def match_megatron(self, name: str) -> Optional[tuple[TensorRule, Optional[int], Optional[int]]]:
+        """(rule, layer index, LOCAL expert index) in a megatron parameter name (None where the rule
+        has none), or None when no rule matches."""
         for pattern, rule in self._index.values():
             m = pattern.match(name)
             if m:
-                return rule, int(m.group(1)) if m.groups() else None
+                groups = m.groupdict()
+                layer, expert = groups.get("i"), groups.get("e")
+                return rule, None if layer is None else int(layer), None if expert is None else int(expert)
         return None
 
-    def rules_for(self, info: ShapeInfo, *, include_bias: Callable[[TensorRule], bool] = lambda r: True) -> Iterator[tuple[TensorRule, Optional[int]]]:
-        """Every (rule, layer) of the whole model in HF order (embedding, layers, norm, head)."""
+    def rules_for(self, info: ShapeInfo) -> Iterator[tuple[TensorRule, Optional[int], Optional[int]]]:
+        """Every (rule, layer, expert) of the whole model in HF order (embedding, layers with their
+        experts, norm, head); layer / expert are None for rules without them."""
         glob = [r for r in self.rules if not r.per_layer]
         layer = [r for r in self.rules if r.per_layer]
         head = [r for r in glob if r.megatron[0] != "embedding.word_embeddings.weight"]
         emb = [r for r in glob if r.megatron[0] == "embedding.word_embeddings.weight"]
         for r in emb:
-            yield r, None
+            yield r, None, None
         for i in range(info.num_layers):
             for r in layer:
-                yield r, i
+                if r.per_expert:
+                    for e in range(info.num_experts):
+                        yield r, i, e
+                else:
+                    yield r, i, None
         for r in head:
             if info.tie_word_embeddings and r.megatron[0] == self.tied_megatron:
                 continue
-            yield r, None
+            yield r, None, None
 
-    def hf_names(self, rule: TensorRule, layer: Optional[int]) -> list[str]:
-        return [n.format(i=layer) if layer is not None else n for n in rule.hf]
+    def hf_names(self, rule: TensorRule, layer: Optional[int], expert: Optional[int] = None) -> list[str]:
+        fields = {"i": layer, "e": expert}
+        return [n.format(**{k: v for k, v in fields.items() if "{" + k + "}" in n}) for n in rule.hf]
 
     def expected_hf_names(self, info: ShapeInfo) -> list[str]:
-        return [n for r, i in self.rules_for(info) for n in self.hf_names(r, i)]
+        return [n for r, i, e in self.rules_for(info) for n in self.hf_names(r, i, e)]
 
     def is_ignored_hf(self, name: str) -> bool:
         return any(re.match(p, name) for p in self.ignored_hf)

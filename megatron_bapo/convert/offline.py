@@ -51,8 +51,8 @@ def ensure_single_process_groups() -> None:
 
 
 def _sharded_key_rules(mapping: ModelMapping) -> dict[str, TensorRule]:
-    """Checkpoint key (layers stacked, no index) -> rule, for every alias."""
-    return {alias.replace("{i}.", ""): rule for rule in mapping.rules for alias in rule.megatron}
+    """Checkpoint key (layers stacked, experts stacked) -> rule, for every alias."""
+    return {key: rule for rule in mapping.rules for key in rule.checkpoint_keys()}
 
 
 def _meta_model(hf_config: Any, dtype: torch.dtype, vocab_divisible_by: int):
@@ -74,18 +74,18 @@ def _meta_model(hf_config: Any, dtype: torch.dtype, vocab_divisible_by: int):
 
 
 class _FullTensorCache:
-    """The full (TP=1 layout) megatron tensor of the last (rule, layer) asked for."""
+    """The full (TP=1 layout) megatron tensor of the last (rule, layer, expert) asked for."""
 
-    def __init__(self, produce: Callable[[TensorRule, Optional[int]], torch.Tensor]) -> None:
+    def __init__(self, produce: Callable[[TensorRule, Optional[int], Optional[int]], torch.Tensor]) -> None:
         self.produce = produce
         self.key: Any = None
         self.value: Optional[torch.Tensor] = None
 
-    def get(self, rule: TensorRule, layer: Optional[int]) -> torch.Tensor:
-        if self.key != (id(rule), layer):
+    def get(self, rule: TensorRule, layer: Optional[int], expert: Optional[int] = None) -> torch.Tensor:
+        if self.key != (id(rule), layer, expert):
             self.value = None  # drop the previous tensor before reading the next
-            self.value = self.produce(rule, layer)
-            self.key = (id(rule), layer)
+            self.value = self.produce(rule, layer, expert)
+            self.key = (id(rule), layer, expert)
         return self.value
 
 
@@ -194,24 +194,27 @@ def hf_to_megatron(
     ensure_single_process_groups()
     model = _meta_model(hf_config, dtype, vocab_divisible_by)
     rules = _sharded_key_rules(mapping)
-    cache = _FullTensorCache(lambda r, i: hf_to_full(r, [reader.get(n) for n in mapping.hf_names(r, i)], info))
+    cache = _FullTensorCache(lambda r, i, e: hf_to_full(r, [reader.get(n) for n in mapping.hf_names(r, i, e)], info))
     bar = _progress(sum(1 for _ in model.parameters()), "HF -> megatron", progress)
 
     def resolve_chunk(key: str, offsets: tuple, sizes: tuple, want: torch.dtype) -> torch.Tensor:
         if key not in rules:
             raise KeyError(f"checkpoint key {key!r} has no HF mapping in {mapping.architecture}")
         rule = rules[key]
+        stacked = int(rule.per_layer) + int(rule.per_expert)  # leading layer (and expert) axes, one each
+        if any(s != 1 for s in sizes[:stacked]):
+            raise ValueError(f"{key}: a chunk spans several layers or experts ({sizes[:stacked]})")
         layer = offsets[0] if rule.per_layer else None
-        if rule.per_layer:
-            offsets, sizes = offsets[1:], sizes[1:]
+        expert = offsets[1] if rule.per_expert else None
+        offsets, sizes = offsets[stacked:], sizes[stacked:]
         if info.tie_word_embeddings and rule.megatron[0] == mapping.tied_megatron:
             rule, layer = rules["embedding.word_embeddings.weight"], None
-        full = cache.get(rule, layer)
+        full = cache.get(rule, layer, expert)
         if tuple(offsets) == (0,) * full.dim() and tuple(sizes) == tuple(full.shape):
             bar.update(1)
         out = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
         out = out.to(want).contiguous()
-        return out.reshape((1,) + tuple(out.shape)) if layer is not None else out
+        return out.reshape((1,) * stacked + tuple(out.shape))
 
     try:
         dist_checkpointing.save(model.sharded_state_dict(), str(tmp), sharded_strategy=_lazy_strategy(resolve_chunk))
@@ -271,35 +274,42 @@ def megatron_to_hf(
     info = ShapeInfo.from_hf_config(hf_config, vocab_divisible_by=int(emb.global_shape[0]))
     rules = _sharded_key_rules(mapping)
     unknown = sorted(k for k in model_keys if k not in rules)
-    missing = sorted({r.megatron[-1].replace("{i}.", "") for r, _ in mapping.rules_for(info)
-                      if not any(a.replace("{i}.", "") in model_keys for a in r.megatron)})
+    missing = sorted({r.checkpoint_keys()[-1] for r, _, _ in mapping.rules_for(info)
+                      if not any(k in model_keys for k in r.checkpoint_keys())})
     if unknown or missing:
         raise KeyError(f"{mdir} does not match {mapping.architecture}: missing tensors {missing}, unexpected tensors {unknown}")
-    key_of = {id(r): next(a.replace("{i}.", "") for a in r.megatron if a.replace("{i}.", "") in model_keys)
-              for r, _ in mapping.rules_for(info)}
+    key_of = {id(r): next(k for k in r.checkpoint_keys() if k in model_keys) for r, _, _ in mapping.rules_for(info)}
     out_dtype = _parse_dtype(dtype) or emb.dtype  # one dtype for every tensor (norms may be stored fp32)
     tmp = _prepare_out(out_dir, force)
     order = list(mapping.rules_for(info))
     writer = HFShardWriter(tmp, max_shard_bytes=max_shard_bytes, dtype=out_dtype)
     with _progress(len(order), "megatron -> HF", progress) as bar:
-        for rule, layer in order:
+        cached: tuple = (None, None)  # ((rule id, layer), that layer's experts [E, ...]): one read per layer
+        for rule, layer, expert in order:
             key = key_of[id(rule)]
             gshape = tuple(model_keys[key].global_shape)
             meta_dtype = model_keys[key].dtype
             if rule.per_layer:
                 if gshape[0] != info.num_layers:
                     raise ValueError(f"{key}: {gshape[0]} layers in the checkpoint, config says {info.num_layers}")
-                # One layer as a (1, ...) slice without a prepended axis: a partial read that needs no
-                # global shard grid (the prepend-axis form would ask torch for every layer's shard).
-                data = torch.empty((1,) + gshape[1:], dtype=meta_dtype)
-                sh = ShardedTensor.from_rank_offsets(key, data, (0, layer, gshape[0]), replica_id=0)
+                if rule.per_expert and gshape[1] != info.num_experts:
+                    raise ValueError(f"{key}: {gshape[1]} experts in the checkpoint, config says {info.num_experts}")
+                if rule.per_expert and cached[0] == (id(rule), layer):
+                    full = cached[1][expert]
+                else:
+                    # One layer as a (1, ...) slice without a prepended axis: a partial read that needs no
+                    # global shard grid (the prepend-axis form would ask torch for every layer's shard).
+                    data = torch.empty((1,) + gshape[1:], dtype=meta_dtype)
+                    sh = ShardedTensor.from_rank_offsets(key, data, (0, layer, gshape[0]), replica_id=0)
+                    # a partial read on purpose: skip the "every shard read exactly once" check
+                    full = dist_checkpointing.load({"t": sh}, str(mdir), validate_access_integrity=False)["t"][0]
+                    if rule.per_expert:
+                        cached = ((id(rule), layer), full)
+                        full = full[expert]
             else:
                 sh = ShardedTensor.from_rank_offsets(key, torch.empty(gshape, dtype=meta_dtype), replica_id=0)
-            # a partial read on purpose: skip the "every shard read exactly once" check
-            full = dist_checkpointing.load({"t": sh}, str(mdir), validate_access_integrity=False)["t"]
-            if rule.per_layer:
-                full = full[0]
-            for name, t in zip(mapping.hf_names(rule, layer), full_to_hf(rule, full, info)):
+                full = dist_checkpointing.load({"t": sh}, str(mdir), validate_access_integrity=False)["t"]
+            for name, t in zip(mapping.hf_names(rule, layer, expert), full_to_hf(rule, full, info)):
                 writer.add(name, t)
             bar.update(1)
     writer.close()

@@ -52,6 +52,8 @@ def transformer_config_from_hf(
     pp = ps.get_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    ep = ps.get_expert_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size()
     ck = args.config_kwargs
     if ck["num_attention_heads"] % tp or ck["num_query_groups"] % tp:
         raise ValueError(
@@ -62,12 +64,21 @@ def transformer_config_from_hf(
         raise ValueError(f"ParallelConfig.tp={tp} must divide the padded vocab size {args.padded_vocab_size}")
     if ck["num_layers"] % (pp * (vpp or 1)):
         raise ValueError(f"ParallelConfig.pp={pp} (x vpp={vpp or 1}) must divide num_layers={ck['num_layers']}")
+    moe = bool(ck.get("num_moe_experts"))
+    if moe and ck["num_moe_experts"] % ep:
+        raise ValueError(f"ParallelConfig.ep={ep} must divide the number of experts ({ck['num_moe_experts']})")
+    if moe and ck["moe_ffn_hidden_size"] % etp:
+        raise ValueError(f"ParallelConfig.etp={etp} must divide moe_intermediate_size={ck['moe_ffn_hidden_size']}")
+    if not moe and ep > 1:
+        raise ValueError(f"ParallelConfig.ep={ep}: {args.architecture} is not a mixture-of-experts model (set ep: 1)")
     kwargs = dict(
         ck,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -75,6 +86,11 @@ def transformer_config_from_hf(
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
     )
+    # TE's grouped GEMM for the experts goes with the TE spec (`build_gpt_model` asks for it there);
+    # the local spec runs megatron's SequentialMLP. The checkpoint mapping reads both layouts.
+    grouped = bool(overrides.pop("moe_grouped_gemm", False))
+    if moe:
+        kwargs["moe_grouped_gemm"] = grouped
     if not torch.cuda.is_available():
         # gloo pairs batched isend/irecv wrongly when prev and next stage are the same rank
         # (interleaved PP=2; shared/notes/megatron-core-on-cpu.md).
@@ -106,7 +122,8 @@ def build_gpt_model(
 
     if use_te is None:
         use_te = resolve_layer_spec("auto").use_te
-    overrides = {**(gpu_fusions(use_te) if torch.cuda.is_available() else {}), **(config_overrides or {})}
+    overrides = {**(gpu_fusions(use_te) if torch.cuda.is_available() else {}), "moe_grouped_gemm": bool(use_te),
+                 **(config_overrides or {})}
     config, args = transformer_config_from_hf(hf_config, dtype=dtype, vocab_divisible_by=vocab_divisible_by, **overrides)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)

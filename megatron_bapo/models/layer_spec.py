@@ -17,9 +17,14 @@ neither Apex nor TE is installed), which refuses `sequence_parallel=True`
 all-reduce of sequence-parallel gradients. `SpTorchNorm` builds the same torch module (same
 parameter names and values) and marks them, as Apex's FusedLayerNorm and TE's TENorm do.
 
-Model-dependent submodules come from the `TransformerConfig` through `spec_options(config)`: today
-the per-head query/key norms (`qk_layernorm`, Qwen3), one `head_dim` weight each, built by the same
-norm class (`SpTorchNorm` locally, TE's norm on GPUs). Their weights are replicated over TP while
+Model-dependent submodules come from the `TransformerConfig` through `spec_options(config)`: the
+per-head query/key norms (`qk_layernorm`, Qwen3), one `head_dim` weight each, built by the same
+norm class (`SpTorchNorm` locally, TE's norm on GPUs), and the mixture of experts (`num_experts`,
+Qwen3-MoE): megatron-core's `MoELayer` with the project's `ReplayRouter` (`models.moe`), experts as
+`SequentialMLP` locally and TE's grouped GEMM (`TEGroupedMLP`, `moe_grouped_gemm`) on GPUs. An MoE
+layer's `pre_mlp_layernorm` is a plain norm in both specs (TE cannot fuse it into the experts), so
+the local spec keeps its checkpoint key as the TE spec does (`pre_mlp_layernorm.weight`) and a
+checkpoint saved on CPU loads on GPUs and back. Their weights are replicated over TP while
 each TP rank normalises only its own heads, so their gradients are partial sums on every rank;
 megatron's `finalize_model_grads` all-reduces every `q_layernorm`/`k_layernorm` gradient over the
 TP group when `config.qk_layernorm` is set, with or without sequence parallelism.
@@ -148,27 +153,43 @@ class SpTorchNorm:
 def spec_options(config) -> dict[str, Any]:
     """The `get_layer_spec` arguments that depend on the model, read from its `TransformerConfig`
     (one place, so every builder of a spec, live or on the meta device, gets the same modules)."""
-    return {"qk_layernorm": bool(getattr(config, "qk_layernorm", False))}
+    return {"qk_layernorm": bool(getattr(config, "qk_layernorm", False)),
+            "num_experts": getattr(config, "num_moe_experts", None) or None,
+            "moe_grouped_gemm": bool(getattr(config, "moe_grouped_gemm", False))}
 
 
-def get_layer_spec(*, use_te: Optional[bool] = None, qk_layernorm: bool = False):
+def get_layer_spec(*, use_te: Optional[bool] = None, qk_layernorm: bool = False, num_experts: Optional[int] = None,
+                   moe_grouped_gemm: bool = False):
     """The GPT transformer-layer spec for this machine.
 
     use_te: None resolves `layer_spec="auto"` (`resolve_layer_spec`); True requires CUDA and TE
     (error otherwise); False forces the local spec with SDPA attention (works everywhere).
     qk_layernorm: RMSNorm each query and key head before RoPE (Qwen3); pass `**spec_options(config)`.
+    num_experts: a mixture-of-experts MLP (megatron `MoELayer`, `ReplayRouter`); moe_grouped_gemm:
+    TE's grouped GEMM for the experts (TE spec only; the local spec runs `SequentialMLP`).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from megatron_bapo.models.moe import replay_router_class
+
     if use_te is None:
         use_te = resolve_layer_spec("auto").use_te
     if use_te:
         resolve_layer_spec("te")  # raises unless CUDA and TE are both usable
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                                          qk_layernorm=qk_layernorm)
+        if num_experts:
+            spec.submodules.mlp.submodules.router = replay_router_class()
+        return spec
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                    qk_layernorm=qk_layernorm)
+    if num_experts:
+        spec.submodules.mlp.submodules.router = replay_router_class()
+        # The TE spec's key for an MoE layer's (unfused) norm, so CPU and GPU checkpoints interchange.
+        spec.submodules.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = sdpa_attention_class()
     if qk_layernorm:

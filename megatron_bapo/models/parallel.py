@@ -1,4 +1,4 @@
-"""Parallel layout (TP, PP, CP; DP derived) and the process groups the actor passes around.
+"""Parallel layout (TP, PP, CP, EP; DP derived) and the process groups the actor passes around.
 
 megatron-core keeps its groups in module globals (`parallel_state`); we initialise them once from a
 `ParallelConfig` and hand the groups that a piece of code needs to it explicitly (`ParallelGroups`),
@@ -33,6 +33,14 @@ class ParallelConfig:
     and 2*cp-1-i (TE attention on GPUs; an all-gather attention on CPU)."""
     vpp: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved 1F1B); None = plain 1F1B."""
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts models): each rank holds num_experts / ep experts of
+    every MoE layer and tokens travel to their experts by all-to-all. Carved out of the data
+    (x context x tensor) parallel ranks of a pipeline stage: ep * etp must divide
+    world_size / pp; must divide the number of experts."""
+    etp: Optional[int] = None
+    """Expert-tensor-parallel size: each expert's weights split over this many ranks. None = tp
+    (megatron's default); 1 keeps every expert whole (the usual choice with ep > 1)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: activations outside attention/MLP split over the TP ranks
     along the sequence (needs tp > 1)."""
@@ -42,10 +50,12 @@ class ParallelConfig:
     """Collective timeout for the process groups."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            raise ValueError(f"ParallelConfig.etp must be an integer >= 1 or null, got {self.etp!r}")
         if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
             raise ValueError(f"ParallelConfig.vpp must be None or >= 2 with pp >= 2, got vpp={self.vpp}, pp={self.pp}")
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -59,6 +69,11 @@ class ParallelConfig:
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
 
+    @property
+    def expert_tp(self) -> int:
+        """The expert-tensor-parallel size in effect (`etp`, or `tp` when unset)."""
+        return self.tp if self.etp is None else self.etp
+
     def resolved_backend(self) -> str:
         if self.backend != "auto":
             return self.backend
@@ -70,6 +85,13 @@ class ParallelConfig:
             raise ValueError(
                 f"ParallelConfig: world size {world_size} is not divisible by tp*pp*cp = "
                 f"{self.tp}*{self.pp}*{self.cp} = {self.model_parallel_size}"
+            )
+        experts = self.ep * self.expert_tp * self.pp
+        if world_size % experts:
+            raise ValueError(
+                f"ParallelConfig: world size {world_size} is not divisible by ep*etp*pp = "
+                f"{self.ep}*{self.expert_tp}*{self.pp} = {experts} (expert parallelism uses the ranks of a "
+                f"pipeline stage); lower ParallelConfig.ep or ParallelConfig.etp"
             )
         return world_size // self.model_parallel_size
 
@@ -109,13 +131,35 @@ class ParallelGroups:
     mp_group: "dist.ProcessGroup"
     world_group: "dist.ProcessGroup"
     """Every actor rank (decisions all ranks must share: skipped steps, checkpoint barriers)."""
+    ep_group: Optional["dist.ProcessGroup"] = None
+    """Expert-parallel group: the ranks holding the other experts of this rank's MoE layers."""
+    etp_group: Optional["dist.ProcessGroup"] = None
+    """Expert-tensor-parallel group: the ranks holding the other parts of this rank's experts."""
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
     dp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    expert_dp_rank: int = 0
+    """Rank among the replicas of this rank's experts (0: the copy every weight export reads)."""
     extra: dict = field(default_factory=dict)
+
+    @property
+    def first_replica(self) -> bool:
+        """Data- and context-parallel rank 0: this rank's dense weights are the ones to export."""
+        return self.dp_rank == 0 and self.cp_rank == 0
+
+    @property
+    def exports_weights(self) -> bool:
+        """Takes part in gathering the weights for an export: the first replica, and with expert
+        parallelism the ranks holding the first copy of the experts the first replica lacks (its
+        expert-parallel peers sit on other data-parallel ranks). Closed under the TP, PP and EP groups."""
+        return self.first_replica or (self.ep_size > 1 and self.expert_dp_rank == 0)
 
     @property
     def is_first_stage(self) -> bool:
@@ -165,6 +209,8 @@ def initialize_model_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> Paral
             ps.get_tensor_model_parallel_world_size() != cfg.tp
             or ps.get_pipeline_model_parallel_world_size() != cfg.pp
             or ps.get_context_parallel_world_size() != cfg.cp
+            or ps.get_expert_model_parallel_world_size() != cfg.ep
+            or ps.get_expert_tensor_parallel_world_size() != cfg.expert_tp
         ):
             raise RuntimeError(
                 "initialize_model_parallel: megatron parallel state already initialised with a different layout; "
@@ -176,15 +222,17 @@ def initialize_model_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> Paral
             pipeline_model_parallel_size=cfg.pp,
             virtual_pipeline_model_parallel_size=cfg.vpp,
             context_parallel_size=cfg.cp,
+            expert_model_parallel_size=cfg.ep,
+            expert_tensor_parallel_size=cfg.etp,
             distributed_timeout_minutes=cfg.timeout_minutes,
             create_gloo_process_groups=True,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     groups = current_groups(cfg)
     logger.info(
-        "parallel layout: world=%d tp=%d pp=%d cp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d)",
-        groups.world_size, cfg.tp, cfg.pp, cfg.cp, groups.dp_size, groups.rank, groups.tp_rank, groups.pp_rank,
-        groups.dp_rank,
+        "parallel layout: world=%d tp=%d pp=%d cp=%d ep=%d etp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d "
+        "ep_rank=%d)", groups.world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.expert_tp, groups.dp_size, groups.rank,
+        groups.tp_rank, groups.pp_rank, groups.dp_rank, groups.ep_rank,
     )
     return groups
 
@@ -200,7 +248,9 @@ def current_groups(cfg: Optional[ParallelConfig] = None) -> ParallelGroups:
     if cfg is None:
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
         cfg = ParallelConfig(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
-                             cp=ps.get_context_parallel_world_size(), vpp=vpp if vpp and vpp > 1 else None)
+                             cp=ps.get_context_parallel_world_size(), vpp=vpp if vpp and vpp > 1 else None,
+                             ep=ps.get_expert_model_parallel_world_size(),
+                             etp=ps.get_expert_tensor_parallel_world_size())
     return ParallelGroups(
         config=cfg,
         world_size=dist.get_world_size(),
@@ -218,4 +268,11 @@ def current_groups(cfg: Optional[ParallelConfig] = None) -> ParallelGroups:
         dp_size=ps.get_data_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(),
         cp_size=ps.get_context_parallel_world_size(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        etp_group=ps.get_expert_tensor_parallel_group(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
+        expert_dp_rank=ps.get_expert_data_parallel_rank(),
     )

@@ -40,7 +40,8 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
     return getattr(cfg, name, default)
 
 
-MODEL_TYPE_TO_ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+MODEL_TYPE_TO_ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                      "llama": "LlamaForCausalLM"}
 """Used only when a config object has no `architectures` (e.g. built in code, not loaded)."""
 
 
@@ -153,6 +154,49 @@ def _qwen3_attention(cfg: Any, arch: str, vocab_divisible_by: int) -> ModelArgs:
     return args
 
 
+def _qwen3_moe(cfg: Any, vocab_divisible_by: int) -> ModelArgs:
+    """Qwen3-MoE (30B-A3B, 235B-A22B): Qwen3's attention with a mixture of experts in every layer.
+
+    The router is a linear layer scored with a softmax over all experts; each token goes to the
+    `num_experts_per_tok` best, weighted by their probabilities renormalised over the chosen ones
+    (`norm_topk_prob`, as every released Qwen3-MoE), which is megatron's softmax over the top-k
+    logits (`moe_router_pre_softmax=False`); without renormalisation, megatron's softmax-then-top-k
+    (`moe_router_pre_softmax=True`). No shared expert. Router scores in fp32 (`moe_router_dtype`),
+    tokens exchanged between expert-parallel ranks by all-to-all (`moe_token_dispatcher_type`), no
+    token dropping; the load-balancing loss is off here (`moe_router_load_balancing_type="none"`)
+    and turned on by the actor's `moe_aux_loss_coeff`.
+    """
+    arch = "Qwen3MoeForCausalLM"
+    args = _qwen3_attention(cfg, arch, vocab_divisible_by)
+    num_experts = int(_get(cfg, "num_experts") or _get(cfg, "num_local_experts") or 0)
+    topk = int(_get(cfg, "num_experts_per_tok") or 0)
+    if num_experts < 1 or not 1 <= topk <= num_experts:
+        raise ValueError(f"{arch}: num_experts={num_experts} and num_experts_per_tok={topk} must satisfy "
+                         f"1 <= num_experts_per_tok <= num_experts")
+    dense = list(_get(cfg, "mlp_only_layers") or [])
+    step = int(_get(cfg, "decoder_sparse_step", 1) or 1)
+    if dense or step != 1:
+        raise ValueError(f"{arch}: mlp_only_layers={dense} / decoder_sparse_step={step}: only a mixture of experts "
+                         f"in every layer is supported (mlp_only_layers: [], decoder_sparse_step: 1)")
+    if _get(cfg, "shared_expert_intermediate_size"):
+        raise ValueError(f"{arch}: shared_expert_intermediate_size is set; Qwen3-MoE has no shared expert")
+    args.config_kwargs.update(
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=int(_get(cfg, "moe_intermediate_size")),
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not bool(_get(cfg, "norm_topk_prob", False)),
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall",
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
+    args.extra["router_aux_loss_coef"] = float(_get(cfg, "router_aux_loss_coef", 0.0) or 0.0)
+    return args
+
+
 def _reject_sliding_window(cfg: Any, arch: str) -> None:
     """Training attends over the whole sequence; a config with sliding-window layers would differ."""
     if _get(cfg, "use_sliding_window", False):
@@ -191,6 +235,7 @@ def _reject_rope_scaling(cfg: Any, arch: str) -> None:
 MODEL_REGISTRY: dict[str, Callable[[Any, int], ModelArgs]] = {
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
     "LlamaForCausalLM": _llama,
 }
 

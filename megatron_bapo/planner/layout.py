@@ -39,6 +39,21 @@ def validate_layout(inputs: PlanInputs) -> list[str]:
         raise PlanError(
             f"GPU count {world} is not divisible by actor.parallel.tp*pp*cp = {par.tp}*{par.pp}*{par.cp} = {mp}"
         )
+    experts = ck.get("num_moe_experts")
+    etp = par.expert_tp
+    if par.ep > 1 and not experts:
+        raise PlanError(f"actor.parallel.ep={par.ep}: {args.architecture} is not a mixture-of-experts model")
+    if experts:
+        if experts % par.ep:
+            raise PlanError(f"actor.parallel.ep={par.ep} must divide num_experts={experts}")
+        if ck["moe_ffn_hidden_size"] % etp:
+            raise PlanError(f"actor.parallel.etp={etp} must divide moe_intermediate_size={ck['moe_ffn_hidden_size']}")
+        if world % (par.ep * etp * par.pp):
+            raise PlanError(f"GPU count {world} is not divisible by actor.parallel.ep*etp*pp = "
+                            f"{par.ep}*{etp}*{par.pp} (expert parallelism uses the ranks of a pipeline stage)")
+        if par.tp > 1 and not par.sequence_parallel:
+            raise PlanError(f"actor.parallel.tp={par.tp} with a mixture-of-experts model needs "
+                            "actor.parallel.sequence_parallel=true (megatron-core trains MoE under TP only with it)")
     if inputs.batch_size is not None and inputs.batch_size % inputs.actor.n_minibatches:
         raise PlanError(
             f"actor.n_minibatches={inputs.actor.n_minibatches} must divide the batch "

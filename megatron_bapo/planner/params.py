@@ -5,6 +5,11 @@ each tensor-parallel parameter with `tensor_model_parallel` (and its split dimen
 share under any TP is `numel / tp` for those and `numel` for the replicated ones (norms). Pipeline
 stages hold `num_layers / pp` identical decoder layers; the first stage adds the embedding, the last
 the final norm and output layer (with tied embeddings and pp > 1 the last stage holds a copy).
+
+Mixture of experts: a layer's expert weights (`mlp.experts.*`) split over the expert-parallel ranks
+(each holds num_experts / ep experts) and each expert over the expert-tensor-parallel ranks, not over
+TP; the router is replicated. A token uses `top_k` of the experts, so the ACTIVE parameters per
+token are the total minus the unused experts' share (Qwen3-30B-A3B: 30.5B total, 3.3B active).
 """
 
 from __future__ import annotations
@@ -39,6 +44,22 @@ class ParamCounts:
     vocab_size: int
     hidden_size: int
     tied: bool
+    layer_experts: int = 0
+    """Per decoder layer: elements of the expert weights (all experts; part of `layer_sharded`)."""
+    num_experts: int = 0
+    top_k: int = 0
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: the total without the experts it is not routed to."""
+        if not self.num_experts:
+            return self.total
+        unused = self.layer_experts * (self.num_experts - self.top_k) // self.num_experts
+        return self.total - self.num_layers * unused
+
+    def expert_per_rank(self, pp: int, ep: int, etp: int) -> int:
+        """Expert elements one rank holds (its experts of its stage's layers, its expert-TP part)."""
+        return (self.num_layers // pp) * (self.layer_experts // (ep * etp))
 
     @property
     def total_padded(self) -> int:
@@ -53,10 +74,11 @@ class ParamCounts:
         copies = 1 if self.tied else 2
         return self.total_padded - copies * pad_rows * self.hidden_size
 
-    def per_rank(self, tp: int, pp: int, stage: str) -> int:
+    def per_rank(self, tp: int, pp: int, stage: str, ep: int = 1, etp: int = 1) -> int:
         """Elements held by one rank of pipeline `stage` ("first", "last" or "only" when pp == 1)."""
         layers = self.num_layers // pp
-        count = layers * (self.layer_sharded // tp + self.layer_replicated)
+        dense = self.layer_sharded - self.layer_experts
+        count = layers * (dense // tp + self.layer_replicated) + self.expert_per_rank(pp, ep, etp)
         first = stage in ("first", "only")
         last = stage in ("last", "only")
         if first:
@@ -129,12 +151,15 @@ def count_parameters(hf_config: Any, *, vocab_divisible_by: int = 128, dtype: to
             post_process=True, parallel_output=True, **args.gpt_kwargs,
         )
     per_layer: dict[int, list[int]] = {}
+    experts: dict[int, int] = {}
     embedding = output = final_norm = 0
     for name, p in model.named_parameters():
         m = _LAYER.match(name)
         if m:
             slot = per_layer.setdefault(int(m.group(1)), [0, 0])
             slot[0 if getattr(p, "tensor_model_parallel", False) else 1] += p.numel()
+            if ".mlp.experts." in name:
+                experts[int(m.group(1))] = experts.get(int(m.group(1)), 0) + p.numel()
         elif name.startswith("embedding.word_embeddings"):
             embedding += p.numel()
         elif name.startswith("output_layer"):
@@ -152,4 +177,6 @@ def count_parameters(hf_config: Any, *, vocab_divisible_by: int = 128, dtype: to
         output_layer=output, final_norm=final_norm, padded_vocab_size=args.padded_vocab_size,
         vocab_size=args.vocab_size, hidden_size=config.hidden_size,
         tied=bool(args.gpt_kwargs.get("share_embeddings_and_output_weights")),
+        layer_experts=max(experts.values(), default=0), num_experts=int(config.num_moe_experts or 0),
+        top_k=int(config.moe_router_topk or 0) if config.num_moe_experts else 0,
     )

@@ -22,6 +22,7 @@ def build_batch(
     advantages: Optional[Sequence[float] | torch.Tensor] = None,
     rewards: Optional[Sequence[float] | torch.Tensor] = None,
     pad_to_multiple_of: int = 1,
+    routed_experts_shape: Optional[tuple[int, int]] = None,
 ) -> dict[str, torch.Tensor]:
     """Batch of `B = len(samples)` rows, `T` = longest prompt+response (rounded up to the multiple).
 
@@ -32,6 +33,8 @@ def build_batch(
       advantages (float32; the sample's scalar advantage on its response tokens, 0 elsewhere),
       only when `advantages` (one value per sample) is given;
     and `[B]`: prompt_lengths, response_lengths (long), rewards (float32, when given).
+    With `routed_experts_shape = (num_layers, top_k)` (a mixture of experts): routed_experts (int16
+    `[B, T, num_layers, top_k]`, each sample's recorded routing at its positions, -1 where none).
     """
     import torch
 
@@ -72,9 +75,31 @@ def build_batch(
         if adv.numel() != batch_size:
             raise ValueError(f"build_batch: {adv.numel()} advantages for {batch_size} samples (one per sample)")
         out["advantages"] = adv[:, None] * loss_mask
+    if routed_experts_shape is not None:
+        out["routed_experts"] = _routed_experts(samples, length, routed_experts_shape)
     if rewards is not None:
         rew = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)
         if rew.numel() != batch_size:
             raise ValueError(f"build_batch: {rew.numel()} rewards for {batch_size} samples (one per sample)")
         out["rewards"] = rew
+    return out
+
+
+def _routed_experts(samples: Sequence[Sample], length: int, shape: tuple[int, int]) -> "torch.Tensor":
+    import numpy as np
+    import torch
+
+    num_layers, top_k = shape
+    out = torch.full((len(samples), length, num_layers, top_k), -1, dtype=torch.int16)
+    for b, s in enumerate(samples):
+        if not s.routed_rows:
+            continue
+        if s.routed_width != num_layers * top_k:
+            raise ValueError(f"sample {b}: {s.routed_width} routed experts per position, the model has "
+                             f"{num_layers} layers x top-{top_k}")
+        rows = np.frombuffer(s.routed_experts, dtype="<i2").reshape(s.routed_rows, num_layers, top_k)
+        if rows.shape[0] > len(s.prompt_ids) + len(s.response_ids):
+            raise ValueError(f"sample {b}: routing for {rows.shape[0]} positions, it has "
+                             f"{len(s.prompt_ids) + len(s.response_ids)} tokens")
+        out[b, :rows.shape[0]] = torch.from_numpy(rows.copy())
     return out

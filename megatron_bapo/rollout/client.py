@@ -183,10 +183,13 @@ class RolloutClient(ControlMixin):
         return [u for u in self.config.urls if self._unhealthy_until[u] <= now]
 
     # ------------------------------------------------------------------ generation
-    async def agenerate(self, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> GenerateResult:
+    async def agenerate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
+                        routed_experts_start_len: Optional[int] = None) -> GenerateResult:
         """One `/generate` with `return_logprob`; retried and failed over until it succeeds.
 
         Returns the parsed segment (ids, behavior log-probs, per-token versions, finish type).
+        `routed_experts_start_len` set: also ask for the routed experts of positions from there on
+        (SGLang's `return_routed_experts`, servers launched with --enable-return-routed-experts).
         A request still waiting for a slot when `abort_all` is called is not sent and comes back
         as an abort with no tokens. Raises RequestRejected on a 4xx, RolloutError when every
         retry failed.
@@ -200,6 +203,8 @@ class RolloutClient(ControlMixin):
         epoch = self._abort_epoch
         payload: dict[str, Any] = {"input_ids": [int(x) for x in input_ids], "sampling_params": dict(sampling_params),
                                    "return_logprob": True}
+        if routed_experts_start_len is not None:
+            payload.update(return_routed_experts=True, routed_experts_start_len=int(routed_experts_start_len))
         last_url: Optional[str] = None
         last_error: Optional[BaseException] = None
         async with semaphore:

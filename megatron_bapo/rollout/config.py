@@ -146,6 +146,12 @@ class PartialRolloutConfig:
     otherwise, so the servers must run with that flag: the built-in servers get it, the SLURM
     launcher passes it (it reads this field) and the first weight update refuses a server without it.
     False: no seeds (the servers' own generators; responses are not reproducible)."""
+    return_routed_experts: bool = False
+    """Mixture-of-experts models: ask the servers for the experts every MoE layer chose for each
+    token (SGLang's `return_routed_experts`; servers launched with --enable-return-routed-experts,
+    which the built-in servers and the SLURM launcher get when this is on) and keep them with the
+    sample, across segments and checkpoints. The actor replays them with `actor.routing_replay`, and
+    reports how often its own routing differs (`moe/routing_mismatch`) either way."""
 
     def __post_init__(self) -> None:
         if self.max_context_tokens is not None and self.max_context_tokens < 2:

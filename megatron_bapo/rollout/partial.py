@@ -8,7 +8,11 @@ Each `step(prompts, version)` call:
    sample, or in a finished one waiting for its siblings) is first reset and regenerated from
    scratch, all its samples together (counted per sample), so no trained group holds a token more
    than `max_staleness` versions old;
-3. records each segment's tokens with their behavior log-probs and versions, and sets the state:
+3. records each segment's tokens with their behavior log-probs and versions (and, with
+   `return_routed_experts`, the MoE routing of the positions it computed first: the request asks
+   from `routed_experts_start_len` = the rows recorded so far, so every position keeps the routing of
+   the forward that first computed it, and rows stay contiguous from the prompt's first token), and
+   sets the state:
    stop -> completed; length at max_response_tokens (or clipped by the context) -> truncated;
    length below it -> partial; abort -> aborted (kept, resumed next step); 4xx -> failed;
 4. returns the groups whose G samples are all finished, oldest first; the rest stay buffered.
@@ -30,7 +34,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_bapo.rollout.client import RolloutClient
 from megatron_bapo.rollout.config import PartialRolloutConfig
-from megatron_bapo.rollout.errors import RequestRejected, RolloutError
+from megatron_bapo.rollout.errors import ProtocolError, RequestRejected, RolloutError
 from megatron_bapo.rollout.types import GenerateResult, Prompt, RolloutGroup, Sample, SampleState
 
 logger = logging.getLogger(__name__)
@@ -158,7 +162,16 @@ class PartialRolloutManager:
         params = {**self.config.sampling.to_params(), "max_new_tokens": self._budget(s)}
         if seed is not None:
             params["sampling_seed"] = seed
-        return await self.client.agenerate(s.prompt_ids + s.response_ids, params)
+        if not self.config.return_routed_experts:
+            return await self.client.agenerate(s.prompt_ids + s.response_ids, params)
+        start = s.routed_rows
+        res = await self.client.agenerate(s.prompt_ids + s.response_ids, params, routed_experts_start_len=start)
+        expected = len(s.prompt_ids) + len(s.response_ids) + len(res.output_ids) - 1 - start
+        if res.routed_experts is None and expected > 0 and res.output_ids:
+            raise RolloutError(f"server {res.url} returned no meta_info.routed_experts for a request with "
+                               f"return_routed_experts (rollout.return_routed_experts=true): launch the servers "
+                               f"with --enable-return-routed-experts")
+        return res
 
     def _apply(self, s: Sample, res: GenerateResult, version: int, step: dict[str, int]) -> None:
         requested = self._budget(s)
@@ -167,6 +180,8 @@ class PartialRolloutManager:
                            "trainer's version %d (call update_weights_from_disk with an int version first)",
                            res.url, version)
             self._warned_version = True
+        if self.config.return_routed_experts and res.routed_experts is not None:
+            _append_routing(s, res)
         s.response_ids.extend(res.output_ids)
         s.response_logprobs.extend(res.logprobs)
         s.response_versions.extend(int(version) if v is None else v for v in res.versions)
@@ -225,6 +240,22 @@ class PartialRolloutManager:
                              f"PartialRolloutConfig.group_size={self.config.group_size}: {bad[:3]}")
         self.buffer = groups
         self.totals = {k: int(state.get("totals", {}).get(k, 0)) for k in _COUNTERS}
+
+
+def _append_routing(s: Sample, res: GenerateResult) -> None:
+    """Append a segment's routed experts (int32 rows `[routed_rows, rows + new - 1)`) to the sample
+    (before its tokens are appended); raises ProtocolError when the reply's size does not fit."""
+    import numpy as np
+
+    rows = len(s.prompt_ids) + len(s.response_ids) + len(res.output_ids) - 1 - s.routed_rows
+    ids = np.frombuffer(res.routed_experts, dtype="<i4")
+    if rows <= 0:
+        return
+    if ids.size % rows or (s.routed_width and ids.size // rows != s.routed_width):
+        raise ProtocolError(f"{res.url}/generate: meta_info.routed_experts holds {ids.size} ids for {rows} positions "
+                            f"({s.routed_width or '?'} per position expected)")
+    s.routed_width = ids.size // rows
+    s.routed_experts += ids.astype("<i2").tobytes()
 
 
 def flatten(groups: Sequence[RolloutGroup]) -> list[Sample]:

@@ -28,15 +28,20 @@ from megatron_bapo.rollout.errors import RolloutError
 logger = logging.getLogger(__name__)
 
 
-def required_server_flags(*, deterministic_inference: bool, pause_mode: Optional[str]) -> list[str]:
+def required_server_flags(*, deterministic_inference: bool, pause_mode: Optional[str],
+                          routed_experts: bool = False) -> list[str]:
     """SGLang launch flags the run relies on: `--enable-deterministic-inference` when requests carry a
     `sampling_seed` (SGLang ignores the seed without it), `--disable-radix-cache` under the "in_place"
-    pause (the update cannot flush KV the old weights computed, so no cache may keep it)."""
+    pause (the update cannot flush KV the old weights computed, so no cache may keep it),
+    `--enable-return-routed-experts` when requests ask for the MoE routing (ignored without it; the
+    client then stops the run naming the flag)."""
     flags = []
     if deterministic_inference:
         flags.append("--enable-deterministic-inference")
     if pause_mode == "in_place":
         flags.append("--disable-radix-cache")
+    if routed_experts:
+        flags.append("--enable-return-routed-experts")
     return flags
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from typing import Any, Optional
 
@@ -94,7 +96,21 @@ def parse_generate_reply(body: Any, *, rid: str, url: str, max_new_tokens: Optio
     text = body.get("text")
     return GenerateResult(output_ids=ids, logprobs=logprobs, versions=versions,
                           finish_type=finish["type"], finish_reason=dict(finish), rid=rid, url=url,
-                          text=text if isinstance(text, str) else "")
+                          text=text if isinstance(text, str) else "", routed_experts=_routed(meta, url))
+
+
+def _routed(meta: dict, url: str) -> Optional[bytes]:
+    """`meta_info.routed_experts` (base64 of int32 ids, SGLang 0.5.23) as bytes, or None."""
+    value = meta.get("routed_experts")
+    if value is None:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, TypeError, ValueError) as exc:
+        raise ProtocolError(f"{url}/generate: meta_info.routed_experts is not base64: {exc}") from exc
+    if len(raw) % 4:
+        raise ProtocolError(f"{url}/generate: meta_info.routed_experts has {len(raw)} bytes, not int32 ids")
+    return raw
 
 
 def _versions(meta: dict, n: int, where: str) -> list[Optional[int]]:

@@ -1,11 +1,13 @@
 """Rollout data: prompts in, samples and groups out (plain dataclasses, JSON-safe via to_dict).
 
 Per-token lists are aligned: `response_ids[i]` was generated with log-prob `response_logprobs[i]`
-by policy version `response_versions[i]`.
+by policy version `response_versions[i]`. A mixture-of-experts rollout also keeps, per position of
+prompt + response, the experts every MoE layer chose (`Sample.routed_experts`, for routing replay).
 """
 
 from __future__ import annotations
 
+import base64
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -76,22 +78,37 @@ class Sample:
     error: Optional[str] = None
     reward: Optional[float] = None
     """Filled by the trainer."""
+    routed_experts: bytes = b""
+    """Mixture-of-experts routing: int16 little-endian `[rows, routed_width]` (row p: the experts every
+    MoE layer chose for position p of prompt + response, `num_layers x top_k` ids), rows 0..n-1
+    contiguous; each segment appends the rows of the positions it computed first (SGLang's
+    `meta_info.routed_experts` from `routed_experts_start_len = rows so far`). Empty: none recorded."""
+    routed_width: int = 0
+    """Ids per row (`num_layers x top_k`); 0 while nothing is recorded."""
 
     @property
     def response_length(self) -> int:
         return len(self.response_ids)
 
+    @property
+    def routed_rows(self) -> int:
+        """Positions with a recorded routing (0 .. routed_rows - 1)."""
+        return len(self.routed_experts) // (2 * self.routed_width) if self.routed_width else 0
+
     def reset(self) -> None:
         """Drop everything generated (regeneration from scratch)."""
         self.response_ids, self.response_logprobs, self.response_versions = [], [], []
         self.state, self.finish_reason, self.num_segments = SampleState.PENDING, None, 0
+        self.routed_experts, self.routed_width = b"", 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompt_ids": list(self.prompt_ids), "response_ids": list(self.response_ids),
                 "response_logprobs": [float(x) for x in self.response_logprobs],
                 "response_versions": list(self.response_versions), "state": self.state.value,
                 "finish_reason": self.finish_reason, "num_segments": self.num_segments,
-                "num_regenerations": self.num_regenerations, "error": self.error, "reward": self.reward}
+                "num_regenerations": self.num_regenerations, "error": self.error, "reward": self.reward,
+                "routed_experts": base64.b64encode(self.routed_experts).decode("ascii"),
+                "routed_width": self.routed_width}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
@@ -100,7 +117,8 @@ class Sample:
                    response_versions=[int(x) for x in d["response_versions"]], state=SampleState(d["state"]),
                    finish_reason=d.get("finish_reason"), num_segments=int(d.get("num_segments", 0)),
                    num_regenerations=int(d.get("num_regenerations", 0)), error=d.get("error"),
-                   reward=d.get("reward"))
+                   reward=d.get("reward"), routed_experts=base64.b64decode(d.get("routed_experts") or ""),
+                   routed_width=int(d.get("routed_width", 0)))
 
 
 @dataclass
@@ -147,3 +165,6 @@ class GenerateResult:
     error: Optional[str] = None
     text: str = ""
     """The server's decoded output (for evaluation; training uses the ids)."""
+    routed_experts: Optional[bytes] = None
+    """`meta_info.routed_experts` decoded: int32 little-endian ids (SGLang's wire form), None when the
+    reply has none."""

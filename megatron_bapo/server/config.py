@@ -43,6 +43,9 @@ class ServerConfig:
     """Honour `sampling_params.sampling_seed` (a per-request generator). Off, a seed is accepted and
     ignored, as SGLang 0.5.23 does without `--enable-deterministic-inference`, so a client that relies
     on seeds without asking the server for them gets what it would get from SGLang."""
+    enable_return_routed_experts: bool = False
+    """Record the experts every MoE layer chose per token and return them to requests that ask
+    (`return_routed_experts`), as SGLang does with this flag; off, the request field is ignored."""
     weight_version: str = "default"
     """Initial weight version string."""
     api_key: Optional[str] = None
@@ -138,6 +141,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="honour sampling_params.sampling_seed (ignored otherwise, as in SGLang)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="return the routed experts of MoE layers to requests with return_routed_experts")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")

@@ -31,6 +31,7 @@ from megatron_bapo.server.kv import BatchKV
 from megatron_bapo.server.prefill import batched_prefill, chunk_by_tokens
 from megatron_bapo.server.protocol import GenerateItem
 from megatron_bapo.server.req import Req, abort_reason, check_finished, fill_input_logprobs
+from megatron_bapo.server.routing import RoutingCapture, keep_routing
 from megatron_bapo.server.sampling import adjust_logits, choose_plain_batch, choose_token, is_plain, top_logprobs
 from megatron_bapo.server.waiting import WaitingQueue
 
@@ -56,8 +57,10 @@ class Engine:
     """Owns the model and the scheduler thread. All public methods are thread-safe."""
 
     def __init__(self, model, tokenizer, *, eos_ids, max_running: int, seed: int, original_logprob: bool,
-                 max_total_tokens: Optional[int] = None):
+                 max_total_tokens: Optional[int] = None, capture_routing: bool = False):
         self.model = model
+        self.routing: Optional[RoutingCapture] = RoutingCapture(model) if capture_routing else None
+        """Records the routed experts of every forward (--enable-return-routed-experts)."""
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.max_running = max_running
@@ -150,7 +153,21 @@ class Engine:
     def swap_model(self, model) -> None:
         """Replace the model between decode steps (resident KV, if any, was computed by the old one)."""
         with self.step_lock:
+            if self.routing is not None:
+                self.routing.remove()
+                self.routing = RoutingCapture(model)
             self.model = model
+
+    def _forward(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` (a model forward) and the experts its MoE layers chose per token
+        (`[tokens, L, k]`, None unless routing is captured)."""
+        if self.routing is None:
+            return fn(*args, **kwargs), None
+        self.routing.start()
+        out = fn(*args, **kwargs)
+        return out, self.routing.take()
+
+
 
     # ---------------------------------------------------------------- scheduler thread
     def _post(self, kind: str, payload) -> None:
@@ -332,14 +349,18 @@ class Engine:
     def _prefill_batch(self, entries: list[tuple]) -> None:
         """One left-padded forward for several distinct contexts, each shared by its requests.
         Only the forward may raise (the caller may then retry); later errors fail the requests here."""
-        logits, layers, mask = batched_prefill(self.model, [ctx for ctx, _ in entries])
+        (logits, layers, mask), routed = self._forward(batched_prefill, self.model, [ctx for ctx, _ in entries])
+        if routed is not None:  # [b * width, L, k] of the left-padded batch
+            routed = routed.view(mask.shape[0], mask.shape[1], *routed.shape[1:])
         rows, joined = [], []
         try:
-            for j, (_, reqs) in enumerate(entries):
+            for j, (ctx, reqs) in enumerate(entries):
                 for i, req in enumerate(reqs):
                     if i > 0 and not req.started:
                         req.cached_tokens = len(req.item.input_ids)
                     req.started = True
+                    if routed is not None:
+                        keep_routing(req, routed[j, routed.shape[1] - len(ctx):], prefill=True)
                     if self._sample_guarded(req, logits[j]):
                         rows.append(j)
                         joined.append(req)
@@ -366,7 +387,9 @@ class Engine:
         if not todo and not want_input:
             return
         ids = torch.tensor([ctx], dtype=torch.long)
-        out = self.model(input_ids=ids, use_cache=bool(todo), logits_to_keep=0 if want_input else 1)
+        out, routed = self._forward(self.model, input_ids=ids, use_cache=bool(todo), logits_to_keep=0 if want_input else 1)
+        for r in reqs:
+            keep_routing(r, routed, prefill=True)
         logits = out.logits[0].float()
         if want_input:
             lp_all = torch.log_softmax(logits[:-1], dim=-1)
@@ -445,8 +468,11 @@ class Engine:
         pos = torch.tensor([[len(r.item.input_ids) + len(r.output_ids) - 1] for r in reqs], dtype=torch.long)
         cache = self._kv.to_cache(self.model.config)
         mask = torch.cat([self._kv.mask, self._kv.mask.new_ones(len(reqs), 1)], dim=1)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+        out, routed = self._forward(self.model, input_ids=ids, attention_mask=mask, position_ids=pos,
+                                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if routed is not None:  # one fed token per request
+            for i, req in enumerate(reqs):
+                keep_routing(req, routed[i:i + 1], prefill=False)
         self._kv.advance(out.past_key_values)
         logits = out.logits[:, -1].float()
         keep = self._sample_rows(reqs, logits)

@@ -218,6 +218,11 @@ class GenerateItem:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
+    """Reply with the experts every MoE layer chose per position (`server.routing`; needs the server
+    flag --enable-return-routed-experts, otherwise ignored as by SGLang)."""
+    routed_experts_start_len: int = 0
+    """First position of the returned routing (SGLang: `[start, seqlen - 1)`, 0 = everything)."""
 
 
 @dataclasses.dataclass
@@ -357,6 +362,7 @@ def parse_generate(body: Any, tokenize, limits: RequestLimits = RequestLimits())
                                              ("return_logprob", "logprob_start_len", "top_logprobs_num")):
         raise RequestError("List-valued return_logprob / logprob_start_len / top_logprobs_num cannot be "
                            "combined with n > 1.")
+    routed, routed_start = routed_experts_fields(body, prompts)
 
     items = []
     for i in range(num):
@@ -371,9 +377,30 @@ def parse_generate(body: Any, tokenize, limits: RequestLimits = RequestLimits())
             item_rid = rids[i] if n == 1 else uuid.uuid4().hex
             items.append(GenerateItem(input_ids=prompts[i], params=params[i], rid=item_rid,
                                       return_logprob=bool(ret_lp[i]), logprob_start_len=int(start[i]),
-                                      top_logprobs_num=int(top[i]), return_text_in_logprobs=bool(rtext[i])))
+                                      top_logprobs_num=int(top[i]), return_text_in_logprobs=bool(rtext[i]),
+                                      return_routed_experts=routed, routed_experts_start_len=routed_start))
     single_reply = single and params[0].n == 1
     return GenerateRequest(items=items, single=single_reply, stream=bool(body.get("stream")))
+
+
+def routed_experts_fields(body: dict, prompts: list) -> tuple[bool, int]:
+    """`return_routed_experts` (bool) and `routed_experts_start_len` (int, in [0, len(input_ids)] when
+    routing is asked for: SGLang 0.5.23 refuses the request otherwise), one value for every prompt."""
+    routed = body.get("return_routed_experts", False)
+    start = body.get("routed_experts_start_len", 0)
+    if not isinstance(routed, bool):
+        raise RequestError(f"return_routed_experts must be a boolean, got {_short(routed)}", shape=2)
+    if isinstance(start, bool) or not isinstance(start, int):
+        raise RequestError(f"routed_experts_start_len must be an integer, got {_short(start)}", shape=2)
+    if routed:
+        if start < 0:
+            raise RequestError(f"routed_experts_start_len={start} is lower than 0. Please use a non-negative "
+                               "routed_experts_start_len.")
+        for ids in prompts:
+            if start > len(ids):
+                raise RequestError(f"routed_experts_start_len={start} is higher than the number of input tokens "
+                                   f"{len(ids)}. Please use a smaller routed_experts_start_len.")
+    return routed, start
 
 
 def check_context(item: GenerateItem, context_length: int) -> None:

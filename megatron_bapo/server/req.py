@@ -32,6 +32,10 @@ class Req:
     """The weight version that produced each output token (a request may span a weight update)."""
     input_logprobs: list = dataclasses.field(default_factory=list)
     input_top: list = dataclasses.field(default_factory=list)
+    routed_prefill: Optional[torch.Tensor] = None
+    """Routed experts of the positions of its last prefill `[positions, L, k]` (return_routed_experts)."""
+    routed_decode: list = dataclasses.field(default_factory=list)
+    """Then one `[1, L, k]` per decode step: the position it fed."""
     finish_reason: Optional[dict] = None
     cached_tokens: int = 0
     num_retractions: int = 0

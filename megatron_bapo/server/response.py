@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 from megatron_bapo.server.req import Req
+from megatron_bapo.server.routing import encode_rows, request_rows
 
 
 def _decode(tokenizer, ids: list, params) -> str:
@@ -76,6 +77,11 @@ def build_output(req: Req, *, weight_version: str, tokenizer, upto: Optional[int
             reasoning_tokens=0,
             e2e_latency=time.monotonic() - req.t_start,
         )
+    if item.return_routed_experts:  # only where the server captures them (--enable-return-routed-experts)
+        rows = request_rows(req.routed_prefill, req.routed_decode, item.routed_experts_start_len,
+                            len(item.input_ids) + len(req.output_ids))
+        if rows is not None:
+            meta["routed_experts"] = encode_rows(rows)
     if item.return_logprob:
         meta["input_token_logprobs"] = req.input_logprobs
         meta["output_token_logprobs"] = req.output_logprobs

@@ -96,8 +96,9 @@ class DiskExport:
 
 class DistributedExport:
     """HF-named buckets of <= `sync.bucket_bytes` from the first DP/CP replica (other replicas hold
-    identical weights and skip); one bucket of look-ahead tells the sink which bucket is the last
-    (it carries the version and the cache flush)."""
+    identical weights and skip, except, with expert parallelism, the ranks holding the experts the
+    first replica lacks, which take part in the gather); one bucket of look-ahead tells the sink
+    which bucket is the last (it carries the version and the cache flush)."""
 
     def __init__(self, config: SyncConfig, actor: Any, hf_config: Any) -> None:
         self.config, self.actor, self.hf_config = config, actor, hf_config
@@ -108,12 +109,15 @@ class DistributedExport:
         from megatron_bapo.convert import iter_hf_tensors
 
         p = self.actor.parallel
-        if not (p.dp_rank == 0 and p.cp_rank == 0):
+        if not p.exports_weights:
             return 0
+        if not p.first_replica:  # an expert-parallel peer: its experts go into the first replica's buckets
+            sink = NullSink()
         # NCCL moves GPU memory only; gathered tensors may sit on the CPU.
         device = torch.device("cuda", torch.cuda.current_device()) if self.config.backend == "nccl" else torch.device("cpu")
         buckets = iter_hf_tensors(self.actor.model, self.hf_config, bucket_bytes=int(self.config.bucket_bytes),
-                                  gather_to="first", tp_group=p.tp_group, pp_group=p.pp_group)
+                                  gather_to="first", tp_group=p.tp_group, pp_group=p.pp_group,
+                                  etp_group=p.etp_group, ep_group=p.ep_group)
         sent, held = 0, None
         for bucket in buckets:
             if held is not None:

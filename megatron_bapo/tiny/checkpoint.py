@@ -1,4 +1,4 @@
-"""A tiny random HF checkpoint (Qwen2 by default, Qwen3 or Llama) with the char-level tokenizer.
+"""A tiny random HF checkpoint (Qwen2 by default, Qwen3, Qwen3-MoE or Llama) with the char-level tokenizer.
 
 Used by tests (`tests/conftest.py::tiny_hf_dir`), by the built-in server, by conversion round trips and
 as the starting point of the tiny default's SFT warm start. Everything is built locally: no Hub access.
@@ -19,6 +19,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from megatron_bapo.tiny.tokenizer import build_tiny_tokenizer
@@ -28,16 +30,21 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES: dict[str, tuple[type, type]] = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
 }
 """`architecture` override -> (HF config class, HF model class)."""
 
 ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(head_dim=32),
+    "qwen3_moe": dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001),
 }
 """Per-architecture defaults on top of `DEFAULT_MODEL_KWARGS`. Qwen3's `head_dim` is its own field and
 differs from hidden_size / num_attention_heads in the real models (32B: 64 heads x 128 on a 5120
-hidden size), so the tiny Qwen3 has 4 heads x 32 on 64: the case conversion and the builder must get right."""
+hidden size), so the tiny Qwen3 has 4 heads x 32 on 64: the case conversion and the builder must get right.
+The tiny Qwen3-MoE has 8 experts of width 32, 2 per token, top-k probabilities renormalised (as
+Qwen3-30B-A3B: 128 experts of width 768, 8 per token), a mixture of experts in every layer."""
 
 DEFAULT_MODEL_KWARGS: dict[str, Any] = dict(
     hidden_size=64,
@@ -99,7 +106,7 @@ def make_tiny_hf_checkpoint(out_dir, *, seed: int = 0, **overrides: Any) -> path
     `AutoTokenizer.from_pretrained`: config.json, generation_config.json, model.safetensors (fp32),
     tokenizer files and the chat template. Same seed and overrides -> identical weights.
 
-    Overrides: `architecture` ("qwen2" | "qwen3" | "llama"), `pad_vocab_to_multiple_of` (tokenizer vocabulary
+    Overrides: `architecture` ("qwen2" | "qwen3" | "qwen3_moe" | "llama"), `pad_vocab_to_multiple_of` (tokenizer vocabulary
     padding, default 64 -> 128 tokens), and any HF config field (`hidden_size`, `num_hidden_layers`,
     `num_attention_heads`, `num_key_value_heads`, `intermediate_size`, `tie_word_embeddings`, ...).
     """

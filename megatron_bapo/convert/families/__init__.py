@@ -8,9 +8,10 @@ from typing import Any
 from megatron_bapo.convert.families.llama import LLAMA
 from megatron_bapo.convert.families.qwen2 import QWEN2
 from megatron_bapo.convert.families.qwen3 import QWEN3
+from megatron_bapo.convert.families.qwen3_moe import QWEN3_MOE
 from megatron_bapo.convert.mapping import ModelMapping
 
-MAPPINGS: dict[str, ModelMapping] = {m.architecture: m for m in (LLAMA, QWEN2, QWEN3)}
+MAPPINGS: dict[str, ModelMapping] = {m.architecture: m for m in (LLAMA, QWEN2, QWEN3, QWEN3_MOE)}
 
 
 def supported_architectures() -> list[str]:
