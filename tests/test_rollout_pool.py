@@ -45,3 +45,31 @@ def test_restarted_server_that_cannot_be_given_the_current_version_is_an_error(t
         assert pool.restarts == [2] and pool.client.get_weight_version() == 0  # the restarted one: base model
     finally:
         pool.close()
+
+
+def test_a_server_dying_right_after_the_liveness_check_is_restarted_by_the_update(tiny_hf_dir, tmp_path):
+    """The update looks (`ensure_alive`), then asks every server for its flags; a server killed in
+    between (seen in CI: the run stopped on `server_info failed`) is restarted there too."""
+    from megatron_bapo.sync.config import SyncConfig
+    from megatron_bapo.sync.delivery import WeightDelivery
+
+    rollout = RolloutConfig(client=RolloutClientConfig(health_timeout_s=120, max_retries=1, backoff_s=0.1))
+    pool = ServerPool(rollout, model_path=str(tiny_hf_dir), seed=0, log_dir=tmp_path / "logs",
+                      state_path=tmp_path / "servers.json")
+    pool.start()
+    looked = pool.ensure_alive
+
+    def look_then_die(**kwargs):
+        restarted = looked(**kwargs)
+        if pool.restarts == [0]:  # the first look only: the server dies just after it
+            _kill(pool)
+        return restarted
+
+    pool.ensure_alive = look_then_die
+    try:
+        with WeightDelivery(SyncConfig(method="disk"), pool, deterministic_inference=False).update(1):
+            pass
+        assert pool.restarts == [1] and pool.servers[0].alive()
+        assert pool.client.get_weight_version() == 0  # nothing newer existed to give it
+    finally:
+        pool.close()

@@ -109,9 +109,20 @@ class WeightDelivery:
                 client.continue_generation()
 
     # ------------------------------------------------------------------ checks, the group
+    def _server_infos(self) -> dict[str, dict]:
+        """Every server's `/server_info`. A built-in server can die after `ensure_alive` looked (the
+        kill lands between the two calls): restart it, as `ensure_alive` would have, and ask again."""
+        client = self.pool.client
+        try:
+            return client.run(client.aget_server_info())
+        except RolloutError:
+            if not self.pool.any_dead() or not self.pool.ensure_alive(updating=True):
+                raise
+            return client.run(client.aget_server_info())
+
     def _check_servers(self) -> None:
         """Every server runs with the flags this run relies on (see the module docstring)."""
-        infos = self.pool.client.run(self.pool.client.aget_server_info())
+        infos = self._server_infos()
         for url, info in infos.items():
             if self.deterministic_inference and not info.get("enable_deterministic_inference"):
                 raise ConfigError(f"rollout.deterministic_inference is true but server {url} runs without "
@@ -131,7 +142,7 @@ class WeightDelivery:
         if self.sender is not None:  # a restarted server is not in the old group
             self.sender.close()
         client = self.pool.client
-        infos = client.run(client.aget_server_info())
+        infos = self._server_infos()
         urls = client.worker_urls()
         if self.config.backend == "nccl":
             check_nccl(infos)
