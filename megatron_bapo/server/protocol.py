@@ -3,7 +3,7 @@
 Parsing is separate from the engine so every malformed request is rejected (400 with a message that
 names the field) before anything is queued; the engine only ever sees valid, fully defaulted items.
 Semantics follow SGLang 0.5.15 (`io_struct.GenerateReqInput`, `sampling_params.SamplingParams`), see
-/work/shared/specs/sglang-native-api.md section 2.
+the shared SGLang native API spec (shared/specs/sglang-native-api.md) section 2.
 """
 
 from __future__ import annotations

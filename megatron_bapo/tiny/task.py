@@ -4,7 +4,7 @@ A prompt is raw text "47+38=" and the reference answer is the sum's decimal digi
 first ("58" for 85, "511" for 115), followed by EOS in the model's output. Why backwards: the model
 then emits the digit it can compute first (the carry flows in writing order), which a ~1M-parameter
 model learns in about a minute of CPU SFT, while the normal order stays near 5-10% accuracy for minutes
-(/work/shared/notes/tiny-task-calibration.md). That leaves room to stop SFT at a partial accuracy
+(the shared notes, tiny-task-calibration.md). That leaves room to stop SFT at a partial accuracy
 that RL can visibly improve. Graded by `megatron_bapo.rewards.arithmetic` ("arithmetic").
 
 Train and test splits are disjoint sets of operand pairs, fixed by the seed.
