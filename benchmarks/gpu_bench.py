@@ -161,6 +161,8 @@ def actor_steps(model: str, *, steps: int, seqs: int, min_len: int, max_len: int
 
 def logprob_memory(tokens: int, vocab: int, chunk: int, variant: str) -> dict[str, Any]:
     """Peak memory of log-probs + entropy (forward and backward) beyond the logits and their gradient."""
+    from bench_logprobs import naive_logprobs_entropy
+
     from megatron_bapo.actor.logprobs import vocab_parallel_logprobs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -180,9 +182,7 @@ def logprob_memory(tokens: int, vocab: int, chunk: int, variant: str) -> dict[st
         if variant == "chunked":
             lp, ent = vocab_parallel_logprobs(logits, targets, chunk_size=chunk)
         else:
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            ent = -(logp.exp() * logp).sum(-1)
+            lp, ent = naive_logprobs_entropy(logits, targets)
         (lp * w_lp + ent * w_ent).sum().backward()
         _sync()
         out["seconds"] = time.perf_counter() - t0

@@ -9,6 +9,9 @@ import torch
 
 BASE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
             num_hidden_layers=2, rms_norm_eps=1e-6)
+IDS = torch.tensor([[5, 17, 3, 42, 8, 99, 1, 60, 23, 7, 11, 2], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 50, 51]])
+"""Two token rows the logits comparisons run on (ids below every tiny vocabulary)."""
+
 CONFIGS = {
     "qwen2_tied": ("qwen2", dict(BASE, max_position_embeddings=256, vocab_size=100, tie_word_embeddings=True)),
     "qwen2_untied": ("qwen2", dict(BASE, max_position_embeddings=256, vocab_size=130, tie_word_embeddings=False, num_key_value_heads=4)),

@@ -74,6 +74,21 @@ def start_train(config: Path, assets, *extra: str, env: dict | None = None, **kw
                             text=True, **kw)
 
 
+def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
+    """Wait for a `start_train` process; its whole console output (killed if it outlives `timeout`)."""
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return log
+
+
+def last_line(log: str) -> str:
+    """The run's last console line (a run that stops says why there, in one line)."""
+    return [ln for ln in log.splitlines() if ln.strip()][-1]
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

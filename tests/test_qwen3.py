@@ -11,13 +11,12 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from convert_helpers import CONFIGS, hf_config_dict, hf_logits, make_hf_model  # noqa: E402
+from convert_helpers import CONFIGS, IDS, hf_config_dict, hf_logits, make_hf_model  # noqa: E402
 from test_actor_parallel import _step  # noqa: E402
 
 from megatron_bapo.models.registry import model_args_from_hf  # noqa: E402
 
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **CONFIGS["qwen3_untied"][1])
-IDS = torch.tensor([[5, 17, 3, 42, 8, 99, 1, 60, 23, 7, 11, 2], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 50, 51]])
 
 
 def test_registry_maps_qwen3_fields_from_a_dict_and_a_transformers_config():

@@ -12,12 +12,11 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from convert_helpers import CONFIGS, hf_config_dict, hf_logits, make_hf_model, read_safetensors_dir  # noqa: E402
+from convert_helpers import CONFIGS, IDS, hf_config_dict, hf_logits, make_hf_model, read_safetensors_dir  # noqa: E402
 
 from megatron_bapo.models.registry import model_args_from_hf  # noqa: E402
 
 MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", **CONFIGS["qwen3_moe"][1])
-IDS = torch.tensor([[5, 17, 3, 42, 8, 99, 1, 60, 23, 7, 11, 2], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 50, 51]])
 
 
 def test_registry_maps_the_router_and_experts():
@@ -139,10 +138,18 @@ def hf_params(actor) -> dict[str, torch.Tensor]:
 
 
 def _moe_step(rank, world_size, hf_dir, layout):
-    from test_actor_helpers import make_batch
+    from strict_devices import StrictDevices
 
     layout = dict(layout)
     recorded = layout.pop("recorded", False)  # a recorded routing in the batch, replayed
+    # Under StrictDevices: megatron's default-backend groups refuse host tensors, as NCCL does.
+    with StrictDevices():
+        return _moe_step_checked(hf_dir, layout, recorded)
+
+
+def _moe_step_checked(hf_dir, layout, recorded):
+    from test_actor_helpers import make_batch
+
     actor = _moe_actor(hf_dir, routing_replay=recorded, **layout)
     b = make_batch(num_seqs=8, max_len=23, seed=3, vocab=actor.hf_vocab_size)
     b["temperature"] = 0.6

@@ -73,3 +73,38 @@ def test_a_server_dying_right_after_the_liveness_check_is_restarted_by_the_updat
         assert pool.client.get_weight_version() == 0  # nothing newer existed to give it
     finally:
         pool.close()
+
+
+def test_sync_fields_reach_the_weight_group(tiny_hf_dir, tmp_path):
+    """`sync.master_port` is the port rank 0 binds (a taken one fails naming it) and
+    `sync.group_timeout_s` the timeout the group and its HTTP calls run under; both through the
+    delivery that builds the group from the config."""
+    import socket
+
+    from megatron_bapo.sync.config import SyncConfig
+    from megatron_bapo.sync.delivery import WeightDelivery
+
+    rollout = RolloutConfig(client=RolloutClientConfig(health_timeout_s=120))
+    pool = ServerPool(rollout, model_path=str(tiny_hf_dir), seed=0, log_dir=tmp_path / "logs",
+                      state_path=tmp_path / "servers.json")
+    pool.start()
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            delivery = WeightDelivery(SyncConfig(method="distributed", backend="gloo", master_port=port,
+                                                 group_timeout_s=45), pool, deterministic_inference=False)
+            with pytest.raises(RolloutError, match=f"cannot listen on 127.0.0.1:{port}"):
+                with delivery.update(1):
+                    pass
+        delivery = WeightDelivery(SyncConfig(method="distributed", backend="gloo", group_timeout_s=45), pool,
+                                  deterministic_inference=False)
+        try:
+            with delivery.update(1):
+                pass
+            assert delivery.sender.timeout_s == 45 and delivery.sender.master_port > 0
+        finally:
+            delivery.close()
+    finally:
+        pool.close()

@@ -17,7 +17,7 @@ import yaml
 
 from megatron_bapo.metrics import read_jsonl_metrics
 from megatron_bapo.server.launch import start_server
-from run_helpers import pid_alive, pids_running, run_config, server_pids, start_train, train_env, write_assets
+from run_helpers import finish, last_line, pid_alive, pids_running, run_config, server_pids, start_train, train_env, write_assets
 
 pytestmark = pytest.mark.slow
 
@@ -25,20 +25,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory, tiny_hf_dir):
     return write_assets(tmp_path_factory.mktemp("failure_assets")), tiny_hf_dir
-
-
-def _finish(proc, timeout: float = 600) -> str:
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return log
-
-
-def _last_line(log: str) -> str:
-    """The run's last console line (a run that stops says why there, in one line)."""
-    return [ln for ln in log.splitlines() if ln.strip()][-1]
 
 
 def _warnings(log: str) -> list[str]:
@@ -70,9 +56,9 @@ def test_wrong_setting_is_one_line_before_the_model_is_built(assets, tmp_path, c
     config = run_config(assets, out, sections=sections, log_level="info")
     started = time.monotonic()
     proc = start_train(config, assets)
-    log = _finish(proc)
+    log = finish(proc)
     assert proc.returncode == 2, log[-4000:]
-    last = _last_line(log)
+    last = last_line(log)
     assert last.startswith("config error:") and field in last, log[-4000:]
     assert "Traceback" not in log
     full = (out / "logs" / "train.log").read_text()  # every INFO record; the console has warnings only
@@ -86,9 +72,9 @@ def test_reward_that_keeps_failing_stops_the_run_and_says_why(assets, tmp_path):
     out = tmp_path / "run"
     config = run_config(assets, out, sections={"reward": {"fn": "parity_reward_mod:broken_reward"}}, total_steps=4)
     proc = start_train(config, assets)
-    log = _finish(proc)
+    log = finish(proc)
     assert proc.returncode == 2, log[-4000:]
-    last = _last_line(log)
+    last = last_line(log)
     assert last.startswith("reward error: reward 'parity_reward_mod:broken_reward' failed on"), last
     assert "KeyError: 'answer_format'" in last and "reward.max_failure_rate" in last
     assert "Traceback" not in log
@@ -104,9 +90,9 @@ def test_step_whose_requests_the_servers_reject_stops_the_run_with_their_message
     config = run_config(assets, out, sections={"rollout": {"sampling": {"extra": {"stop_token_ids": "7"}}}},
                         total_steps=4)
     proc = start_train(config, assets)
-    log = _finish(proc)
+    log = finish(proc)
     assert proc.returncode == 2, log[-4000:]
-    last = _last_line(log)
+    last = last_line(log)
     assert last.startswith("rollout error: the servers rejected (4xx) the requests of 3 of 3 groups"), last
     assert "stop_token_ids must be a list of integers" in last and "rollout.max_failed_group_rate" in last
     assert len(_warnings(log)) <= 3, "\n".join(_warnings(log))
@@ -118,7 +104,7 @@ def test_rejection_threshold_of_one_trains_on_with_one_warning_per_step(assets, 
     rollout = {"sampling": {"extra": {"stop_token_ids": "7"}}, "max_failed_group_rate": 1.0}
     config = run_config(assets, out, sections={"rollout": rollout}, total_steps=2, save_every=0)
     proc = start_train(config, assets, "eval.every_n_steps=0")
-    log = _finish(proc)
+    log = finish(proc)
     assert proc.returncode == 0, log[-4000:]
     rejected = [ln for ln in _warnings(log) if "rollout request(s) rejected (4xx)" in ln]
     assert len(rejected) == 2, "\n".join(_warnings(log))
@@ -135,12 +121,12 @@ def test_builtin_server_out_of_restarts_stops_the_run_naming_it(assets, tmp_path
         _wait_for_step(proc, out, 2)
         [killed] = server_pids(out)
         os.kill(killed, signal.SIGKILL)
-        log = _finish(proc)
+        log = finish(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 2, log[-4000:]
-    last = _last_line(log)
+    last = last_line(log)
     assert last.startswith("rollout error: built-in server") and "after 0 restart(s)" in last, last
     assert "server_0.log" in last
 
@@ -154,7 +140,7 @@ def test_killed_builtin_server_is_restarted_and_the_run_completes(assets, tmp_pa
         _wait_for_step(proc, out, 2)
         [killed] = server_pids(out)
         os.kill(killed, signal.SIGKILL)
-        log = _finish(proc)
+        log = finish(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -182,11 +168,11 @@ def test_external_server_gone_for_good_is_named_in_one_line(assets, tmp_path, ti
         proc = start_train(config, assets)
         _wait_for_step(proc, out, 2)
         server.proc.kill()
-        log = _finish(proc)
+        log = finish(proc)
     finally:
         server.stop()
     assert proc.returncode == 2, log[-4000:]
-    last = _last_line(log)
+    last = last_line(log)
     assert last.startswith("rollout error:") and server.url in last, log[-4000:]
     assert "Traceback" not in log
     assert len(_warnings(log)) <= 6, "\n".join(_warnings(log))
@@ -201,7 +187,7 @@ def test_api_key_reaches_every_call_and_is_never_written(assets, tmp_path, tiny_
         client = {"urls": [server.url], "health_timeout_s": 30, "max_retries": 1, "backoff_s": 0.2}
         keyed = run_config(assets, tmp_path / "keyed", sections={"rollout": {"client": client}}, total_steps=3)
         proc = start_train(keyed, assets, env=train_env(assets, ROLLOUT_API_KEY=key))
-        log = _finish(proc)
+        log = finish(proc)
         assert proc.returncode == 0, log[-4000:]
         records = read_jsonl_metrics(tmp_path / "keyed" / "tb")
         assert any("eval/t/avg@2" in r for r in records) and any("bapo/c_high" in r for r in records)
@@ -210,7 +196,7 @@ def test_api_key_reaches_every_call_and_is_never_written(assets, tmp_path, tiny_
         written = run_config(assets, tmp_path / "in_config", sections={"rollout": {"client": in_config}},
                              total_steps=1, eval_at_start=False)
         proc = start_train(written, assets)
-        log = _finish(proc)
+        log = finish(proc)
         assert proc.returncode == 0, log[-4000:]
         saved = (tmp_path / "in_config" / "config.yaml").read_text()
         assert key not in saved and yaml.safe_load(saved)["rollout"]["client"]["api_key"] == "***"
@@ -220,7 +206,7 @@ def test_api_key_reaches_every_call_and_is_never_written(assets, tmp_path, tiny_
         # Without the key the server refuses the run's first call, and the error says so.
         unkeyed = run_config(assets, tmp_path / "unkeyed", sections={"rollout": {"client": client}}, total_steps=1)
         proc = start_train(unkeyed, assets)
-        log = _finish(proc)
+        log = finish(proc)
         assert proc.returncode == 2 and "401" in log.splitlines()[-1], log[-4000:]
     finally:
         server.stop()
@@ -232,12 +218,12 @@ def test_resumed_run_samples_as_the_uninterrupted_one(assets, tmp_path):
     seeded = {"rollout": {"deterministic_inference": True}}  # seeds are sent only to servers that honour them
     whole = run_config(assets, tmp_path / "whole", sections=seeded, total_steps=3, save_every=2)
     proc = start_train(whole, assets, "eval.every_n_steps=0")
-    log = _finish(proc)
+    log = finish(proc)
     assert proc.returncode == 0, log[-4000:]
     split = run_config(assets, tmp_path / "split", sections=seeded, total_steps=2, save_every=2)
     for extra in (["trainer.total_steps=2"], ["--resume", "trainer.total_steps=3"]):
         proc = start_train(split, assets, *extra, "eval.every_n_steps=0")
-        log = _finish(proc)
+        log = finish(proc)
         assert proc.returncode == 0, log[-4000:]
     assert "resuming from" in log and "step_000002" in log
 
@@ -259,7 +245,7 @@ def test_starting_over_in_a_used_directory_does_not_mix_the_runs_metrics(assets,
     config = run_config(assets, tmp_path / "run", total_steps=3, save_every=0)
     for extra in ([], ["--no-resume", "trainer.total_steps=2"]):
         proc = start_train(config, assets, *extra, "eval.every_n_steps=0")
-        log = _finish(proc)
+        log = finish(proc)
         assert proc.returncode == 0, log[-4000:]
     steps = [r["step"] for r in read_jsonl_metrics(tmp_path / "run" / "tb") if "timing/step_s" in r]
     assert steps == [1, 2]

@@ -21,7 +21,7 @@ import pytest
 from megatron_bapo import run_state
 from megatron_bapo.metrics import read_jsonl_metrics
 from megatron_bapo.server.launch import start_server
-from run_helpers import pid_alive, run_config, server_pids, start_train, train_env, write_assets
+from run_helpers import finish, last_line, pid_alive, run_config, server_pids, start_train, train_env, write_assets
 from sglang_proxy import RecordingProxy
 
 pytestmark = pytest.mark.slow
@@ -32,16 +32,7 @@ def assets(tmp_path_factory, tiny_hf_dir):
     return write_assets(tmp_path_factory.mktemp("guard_assets")), tiny_hf_dir
 
 
-def _finish(proc, timeout: float = 600) -> str:
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return log
-
-
-def _last_line(log: str) -> str:
+def last_line(log: str) -> str:
     return [ln for ln in log.splitlines() if ln.strip()][-1]
 
 
@@ -73,7 +64,7 @@ def stopped(assets, tmp_path_factory):
     assert latest.read_text().strip() == "step_000004"
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    log = _finish(proc, timeout=60)
+    log = finish(proc, timeout=60)
     return out, log, proc.returncode, time.monotonic() - signalled
 
 
@@ -81,7 +72,7 @@ def test_sigterm_is_one_line_naming_the_step_and_where_resume_continues(stopped)
     out, log, code, seconds = stopped
     assert code == 143, log[-4000:]
     assert seconds < 10, f"SIGTERM took {seconds:.1f} s to stop the run"
-    last = _last_line(log)
+    last = last_line(log)
     assert re.fullmatch(r"stopped by SIGTERM during step [56] of 6; --resume continues from the newest checkpoint, "
                         r"step_000004 \(.*step_000004\)", last), log[-4000:]
     assert "Traceback" not in log
@@ -111,7 +102,7 @@ def test_resume_past_newer_weight_versions_with_a_server_crash_trains_on(assets,
         _wait_for(proc, lambda: "weight sync v1: " in train_log.read_text()[offset:], "the resume's first sync")
         [server] = server_pids(out)
         os.kill(server, signal.SIGKILL)
-        log = _finish(proc)
+        log = finish(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -144,9 +135,9 @@ def test_resume_refuses_what_it_cannot_honour_in_one_line(assets, stopped, tmp_p
     train_log = out / "logs" / "train.log"
     offset = train_log.stat().st_size
     proc = start_train(config, assets, "--resume")
-    log = _finish(proc)
+    log = finish(proc)
     assert proc.returncode == 2, log[-4000:]
-    last = _last_line(log)
+    last = last_line(log)
     assert last.startswith("checkpoint error: cannot resume from ") and "step_000004" in last, last
     for field in (f"data.path: {other}", "rollout.group_size 4 -> 2", "actor.use_distributed_optimizer True -> False",
                   "model.hf_path", "num_layers 2 -> 3", "--no-resume", "trainer.output_dir"):
@@ -202,14 +193,14 @@ def test_impossible_replies_are_retried_counted_never_trained_then_stop_the_run(
                 _wait_for(proc, lambda: 3 in _ledger_steps(out), "step 3")
                 corrupted = sum(seen[k] for k in kinds)  # steps 1-3 (no request is in flight while step 3 trains)
                 seen["always"] = True
-                log = _finish(proc)
+                log = finish(proc)
             finally:
                 if proc.poll() is None:
                     proc.kill()
     finally:
         server.stop()
     assert proc.returncode == 2, log[-4000:]
-    last = _last_line(log)
+    last = last_line(log)
     assert last.startswith("rollout error:") and f"{proxy.url}/generate reply: meta_info.output_token_logprobs[0] " \
         "log-prob 5.0" in last and "a log-probability is <= 0" in last, log[-4000:]
     assert "Traceback" not in log
@@ -244,11 +235,11 @@ def test_a_run_whose_servers_stay_on_an_old_version_stops_with_the_reason(assets
             config = run_config(assets, out, total_steps=20, save_every=0, eval_at_start=False,
                                 sections={"rollout": {"client": client}})
             proc = start_train(config, assets, "eval.every_n_steps=0")
-            log = _finish(proc)
+            log = finish(proc)
     finally:
         server.stop()
     assert proc.returncode == 2, log[-4000:]
-    last = _last_line(log)
+    last = last_line(log)
     assert re.match(r"progress error: no optimizer update in 6 consecutive steps \((\d+)-(\d+); "
                     r"trainer.max_steps_without_update=6\), so the run cannot learn: step \d+: \d+ stale sample\(s\) "
                     r"regenerated", last), last
@@ -261,7 +252,7 @@ def test_data_file_without_a_usable_row_is_one_line(assets, tmp_path):
     bad.write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(50)))  # no answers
     out = tmp_path / "run"
     proc = start_train(run_config(assets, out, sections={"data": {"path": str(bad)}}), assets)
-    log = _finish(proc)
+    log = finish(proc)
     assert proc.returncode == 2, log[-4000:]
     lines = [ln for ln in log.splitlines() if ln.strip() and not ln.startswith("megatron_bapo: ")]
     assert len(lines) == 1, log[-4000:]
@@ -293,7 +284,7 @@ wait $pid; echo $? > {tmp_path}/rc
     subprocess.run(["unshare", "-rm", "sh", "-c", script], env=train_env(assets), timeout=600, check=True)
     log = (tmp_path / "log").read_text()
     assert (tmp_path / "rc").read_text().strip() == "2", log[-4000:]
-    last = _last_line(log)
+    last = last_line(log)
     assert last.startswith(f"checkpoint error: saving checkpoint {ckpts / 'step_000004'} failed: "), last
     assert re.search(r"; \d+ bytes \([\d.]+ MiB\) are free there after removing the partial save; the newest complete "
                      r"checkpoint .*step_000002 is kept, and --resume continues from it", last), last

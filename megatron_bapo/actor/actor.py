@@ -64,6 +64,7 @@ from megatron_bapo.actor.scatter import (
 from megatron_bapo.algorithms import clamped_log_ratio, policy_loss, search_clip_bounds
 from megatron_bapo.models.builder import build_gpt_model
 from megatron_bapo.models.layer_spec import describe_attention, resolve_layer_spec
+from megatron_bapo.models.moe import routing_tapes
 from megatron_bapo.models.parallel import ParallelGroups, initialize_model_parallel
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,8 @@ class Actor:
             DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
             for i, c in enumerate(chunks)
         ]
+        # Each wrapped chunk's router tapes, found once (the forward step feeds them every micro-batch).
+        self.chunk_tapes = {id(m): routing_tapes(m) for m in self.model}
         mcfg = self.model[0].config
         mcfg.finalize_model_grads_func = finalize_model_grads
         mcfg.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
@@ -209,7 +212,7 @@ class Actor:
             ids = mb["input_ids"].to(dev).long()
             positions = local_position_ids(mb, self.layout).to(dev)
         if self.moe_shape is not None:
-            moe.push_targets(model, mb)  # every stage: its own layers' routers
+            moe.push_targets(self.chunk_tapes[id(model)], mb)  # every stage: its own layers' routers
         logits = model(ids, positions, None, packed_seq_params=packed)
         return logits, partial(loss_fn, mb)
 

@@ -75,11 +75,12 @@ def attach_targets(mb: dict, data: dict) -> None:
     mb[ROUTED_EXPERTS] = target
 
 
-def push_targets(model_chunk: Any, mb: dict) -> None:
-    """Queue a micro-batch's routing for the forward about to run on `model_chunk` (None: own routing),
-    with the tokens its statistics count: those with a label (no padding, no filler)."""
+def push_targets(chunk_tapes: list[RoutingTape], mb: dict) -> None:
+    """Queue a micro-batch's routing for the forward about to run on the chunk whose router tapes are
+    `chunk_tapes` (None: own routing), with the tokens its statistics count: those with a label (no
+    padding, no filler)."""
     item = (mb.get(ROUTED_EXPERTS), mb["row"] >= 0)
-    for tape in routing_tapes(model_chunk):
+    for tape in chunk_tapes:
         tape.pending.append(item)
 
 
