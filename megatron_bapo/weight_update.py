@@ -67,9 +67,21 @@ def nccl_version() -> Optional[str]:
 
 
 def destroy_weights_update_group(pg) -> None:
-    """Forget a group made by `init_weights_update_group` (works without a default group)."""
+    """Forget a group made by `init_weights_update_group` (works without a default group).
+
+    Every registry entry goes, the group's name included: a name left behind makes the next group of
+    that name fail ("already been created"), on a trainer that rebuilds its group after a server
+    restart, on a server asked to join again, and in every process forked from this one."""
     from torch.distributed.distributed_c10d import _world
 
+    if pg in _world.pg_map:
+        if pg not in _world.pg_group_ranks:
+            _world.pg_group_ranks[pg] = {}
+        try:
+            dist.destroy_process_group(pg)  # shuts the backend down and unregisters the name
+            return
+        except Exception:  # noqa: BLE001 - best effort; fall through to a plain shutdown
+            pass
     _world.pg_group_ranks.pop(pg, None)
     try:
         pg.shutdown()

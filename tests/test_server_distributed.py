@@ -185,3 +185,28 @@ def test_a_taken_sync_port_is_named_and_port_0_binds_a_free_one(server):
             assert sender.master_port > 0 and sender.master_port != taken.getsockname()[1]
         finally:
             sender.close()
+
+
+def test_a_group_is_rebuilt_under_its_name_on_both_sides(server, other_model):
+    """Leaving a weight group forgets its name on the trainer and on the server, so the group can be
+    built again under that name: the trainer does so after a server restart, and a process forked
+    from one that held the group (CI's test workers) builds its own. A name left registered failed
+    the second build with "the specified group name has already been created"."""
+    from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
+    from megatron_bapo.sync.sender import DistributedWeightSender
+
+    params = [(n, p.detach()) for n, p in other_model.named_parameters()]
+    with RolloutClient(RolloutClientConfig(urls=[server.url])) as client:
+        for attempt in range(2):
+            sender = DistributedWeightSender(client, backend="gloo", group_name="rebuilt", timeout_s=60)
+            sender.connect()
+            try:
+                client.run(client.abegin_weight_update())
+                sender.send(params, weight_version=f"r{attempt}", flush_cache=True)
+                client.run(client.aend_weight_update())
+            finally:
+                sender.close()
+            assert http(server.url + "/get_weight_version", method="GET")[1] == {"weight_version": f"r{attempt}"}
+    prompt = [31, 32, 33]
+    ids, lps = served_logprobs(server.url, prompt, 5)
+    torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_logprobs(other_model, prompt, ids)), atol=1e-4, rtol=0)
