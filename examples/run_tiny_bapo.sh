@@ -13,8 +13,9 @@
 #    phase took: "timings: install 3 s, assets cached, train 141 s, total 150 s".
 #
 # Environment: TINY_DIR (task assets, default runs/tiny_assets), OUT (run dir, default
-# runs/tiny_bapo), CONFIG (default examples/configs/tiny_bapo.yaml), TINY_ARCH (the model family of
-# freshly built assets: qwen2 by default, qwen3_moe for a mixture of experts). Re-running resumes from
+# runs/tiny_bapo; a trainer.output_dir=... argument sets it too), CONFIG (default
+# examples/configs/tiny_bapo.yaml), TINY_ARCH (the model family of freshly built assets: qwen2 by
+# default, qwen3_moe for a mixture of experts). Re-running resumes from
 # the newest checkpoint in $OUT; pass trainer.resume=false (or delete $OUT) to start over.
 # A tiny Qwen3-MoE with rollout routing replay:
 #   TINY_ARCH=qwen3_moe TINY_DIR=runs/tiny_moe_assets OUT=runs/tiny_moe \
@@ -26,6 +27,9 @@ TINY_DIR=${TINY_DIR:-runs/tiny_assets}
 OUT=${OUT:-runs/tiny_bapo}
 CONFIG=${CONFIG:-examples/configs/tiny_bapo.yaml}
 PY=.venv/bin/python
+for arg in "$@"; do  # an output_dir override moves the run, so the summary must read it there too
+  case "$arg" in trainer.output_dir=*) OUT=${arg#trainer.output_dir=} ;; esac
+done
 
 start=$SECONDS
 bash tools/install.sh
