@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -118,3 +119,16 @@ def pids_running(config: Path) -> list[int]:
 def server_pids(out: Path) -> list[int]:
     path = out / "servers.json"
     return [s["pid"] for s in json.loads(path.read_text())] if path.exists() else []
+
+
+def kill_the_server_then_finish(proc: subprocess.Popen, out: Path, ready: Callable[[], Any]) -> tuple[str, int]:
+    """Once `ready()` returns, SIGKILL the run's one built-in server and let the run go on; returns
+    (its whole console output, the killed pid). The trainer is never left running."""
+    try:
+        ready()
+        [killed] = server_pids(out)
+        os.kill(killed, signal.SIGKILL)
+        return finish(proc), killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()

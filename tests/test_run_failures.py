@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 
 import pytest
@@ -17,7 +16,7 @@ import yaml
 
 from megatron_bapo.metrics import read_jsonl_metrics
 from megatron_bapo.server.launch import start_server
-from run_helpers import finish, last_line, pid_alive, pids_running, run_config, server_pids, start_train, train_env, write_assets
+from run_helpers import finish, kill_the_server_then_finish, last_line, pid_alive, pids_running, run_config, server_pids, start_train, train_env, write_assets
 
 pytestmark = pytest.mark.slow
 
@@ -117,14 +116,7 @@ def test_builtin_server_out_of_restarts_stops_the_run_naming_it(assets, tmp_path
     rollout = {"client": {"health_timeout_s": 180, "max_retries": 2, "backoff_s": 0.2}, "max_server_restarts": 0}
     config = run_config(assets, out, sections={"rollout": rollout}, total_steps=5, save_every=0)
     proc = start_train(config, assets)
-    try:
-        _wait_for_step(proc, out, 2)
-        [killed] = server_pids(out)
-        os.kill(killed, signal.SIGKILL)
-        log = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    log, killed = kill_the_server_then_finish(proc, out, lambda: _wait_for_step(proc, out, 2))
     assert proc.returncode == 2, log[-4000:]
     last = last_line(log)
     assert last.startswith("rollout error: built-in server") and "after 0 restart(s)" in last, last
@@ -136,14 +128,7 @@ def test_killed_builtin_server_is_restarted_and_the_run_completes(assets, tmp_pa
     client = {"health_timeout_s": 180, "max_retries": 2, "backoff_s": 0.2}
     config = run_config(assets, out, sections={"rollout": {"client": client}}, total_steps=5, save_every=0)
     proc = start_train(config, assets)
-    try:
-        _wait_for_step(proc, out, 2)
-        [killed] = server_pids(out)
-        os.kill(killed, signal.SIGKILL)
-        log = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    log, killed = kill_the_server_then_finish(proc, out, lambda: _wait_for_step(proc, out, 2))
     assert proc.returncode == 0, log[-4000:]
     assert "died with exit code -9; restarting it (1 of 3)" in log, log[-4000:]
     assert len(_warnings(log)) <= 6, "\n".join(_warnings(log))

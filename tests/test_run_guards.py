@@ -8,7 +8,6 @@ that fills up during a save). Each fault ends in training or in one line and a n
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -21,7 +20,7 @@ import pytest
 from megatron_bapo import run_state
 from megatron_bapo.metrics import read_jsonl_metrics
 from megatron_bapo.server.launch import start_server
-from run_helpers import finish, last_line, pid_alive, run_config, server_pids, start_train, train_env, write_assets
+from run_helpers import finish, kill_the_server_then_finish, last_line, pid_alive, run_config, server_pids, start_train, train_env, write_assets
 from sglang_proxy import RecordingProxy
 
 pytestmark = pytest.mark.slow
@@ -98,14 +97,8 @@ def test_resume_past_newer_weight_versions_with_a_server_crash_trains_on(assets,
     train_log = out / "logs" / "train.log"
     offset = train_log.stat().st_size
     proc = start_train(config, assets, "--resume", "eval.every_n_steps=0")
-    try:
-        _wait_for(proc, lambda: "weight sync v1: " in train_log.read_text()[offset:], "the resume's first sync")
-        [server] = server_pids(out)
-        os.kill(server, signal.SIGKILL)
-        log = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    log, _ = kill_the_server_then_finish(proc, out, lambda: _wait_for(
+        proc, lambda: "weight sync v1: " in train_log.read_text()[offset:], "the resume's first sync"))
     assert proc.returncode == 0, log[-4000:]
     assert "died with exit code -9; restarting it (1 of 3)" in log, log[-4000:]
     assert "resume: data file moved" in log
