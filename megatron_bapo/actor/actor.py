@@ -1,4 +1,4 @@
-"""The Megatron actor: builds the model/optimizer and runs BAPO optimizer steps.
+"""The Megatron actor: BAPO optimizer steps on a model built by `actor.build`.
 
 One `train_step(batch)` = `ppo_epochs` x `n_minibatches` optimizer steps. First, with
 `old_logprobs: recompute`, one forward-only pass over the whole batch with the step's starting
@@ -44,13 +44,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_bapo.actor import moe
+from megatron_bapo.actor.build import build_actor
 from megatron_bapo.actor.config import ActorConfig
 from megatron_bapo.actor.errors import SkippedStepsError
-from megatron_bapo.actor.layout import POSITION_KEYS, MicroBatchLayout, local_position_ids
+from megatron_bapo.actor.layout import POSITION_KEYS, local_position_ids
 from megatron_bapo.actor.logprobs import vocab_parallel_logprobs
 from megatron_bapo.actor.metrics import MetricSums, acc_keys, average_steps
 from megatron_bapo.actor.mismatch import BUCKETS, FINAL_KEYS, MismatchSums, mismatch_metrics, warn_if_large
 from megatron_bapo.actor.old_policy import recomputed_entries
+from megatron_bapo.actor.optimizer_step import grad_norm_or_skip, step_with_norm
 from megatron_bapo.actor.scatter import (
     BatchSpec,
     MiniBatchWork,
@@ -62,9 +64,6 @@ from megatron_bapo.actor.scatter import (
     plan,
 )
 from megatron_bapo.algorithms import clamped_log_ratio, policy_loss, search_clip_bounds
-from megatron_bapo.models.builder import build_gpt_model
-from megatron_bapo.models.layer_spec import describe_attention, resolve_layer_spec
-from megatron_bapo.models.moe import routing_tapes
 from megatron_bapo.models.parallel import ParallelGroups, initialize_model_parallel
 
 logger = logging.getLogger(__name__)
@@ -91,72 +90,14 @@ class Actor:
     """
 
     def __init__(self, config: ActorConfig, hf_config: Any, *, groups: Optional[ParallelGroups] = None) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
         self.config = config
         self.hf_config = hf_config
         self.parallel = groups or initialize_model_parallel(config.parallel, seed=config.seed)
-        pc = config.parallel
-        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.distributed_optimizer = config.use_distributed_optimizer
-        torch.manual_seed(config.seed)  # identical initial weights on every DP rank
-        # Micro-batches have different shapes (token budget); PP must then exchange shapes.
-        # (megatron rejects variable lengths with the default MoE dispatcher even for dense models.)
-        overrides = dict(calculate_per_token_loss=True, sequence_parallel=pc.sequence_parallel,
-                         **config.recompute_overrides(), **moe.config_overrides(config, hf_config))
-        if pc.pp > 1 and not pc.vpp:
-            # Interleaved schedules exchange one fixed shape instead (`BatchSpec.common_shape` pads to it).
-            overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
-        spec = resolve_layer_spec(config.layer_spec)
-        chunks = [
-            build_gpt_model(hf_config, dtype=dtype, vp_stage=stage if pc.vpp else None, use_te=spec.use_te,
-                            vocab_divisible_by=config.vocab_divisible_by, config_overrides=overrides)
-            for stage in range(pc.vpp or 1)
-        ]
-        fused = sorted(k.replace("_fusion", "") for k, v in vars(chunks[0].config).items()
-                       if k.endswith("_fusion") and v is True)
-        logger.info("model: %s layer spec (%s); %s; fusions: %s", "transformer_engine" if spec.use_te else "local",
-                    spec.reason, describe_attention(chunks[0].config, spec.use_te), ", ".join(fused) or "none")
-        self.hf_vocab_size = chunks[0].hf_vocab_size
-        self.routing_tapes = moe.setup_tapes(chunks, replay=config.routing_replay)
-        self.moe_shape = moe.moe_shape(chunks)
-        self.layout = MicroBatchLayout(
-            packed=config.packing, cp_size=self.parallel.cp_size, cp_rank=self.parallel.cp_rank,
-            sp_size=pc.tp if pc.sequence_parallel else 1,
-        )
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=self.distributed_optimizer,
-            check_for_nan_in_grad=False,  # a non-finite grad norm skips the step instead (below)
-        )
-        self.model = [
-            DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
-            for i, c in enumerate(chunks)
-        ]
-        # Each wrapped chunk's router tapes, found once (the forward step feeds them every micro-batch).
-        self.chunk_tapes = {id(m): routing_tapes(m) for m in self.model}
-        mcfg = self.model[0].config
-        mcfg.finalize_model_grads_func = finalize_model_grads
-        mcfg.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
-        oc = config.optim
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer=oc.name, lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay,
-                adam_beta1=oc.adam_beta1, adam_beta2=oc.adam_beta2, adam_eps=oc.adam_eps,
-                sgd_momentum=oc.sgd_momentum, clip_grad=oc.clip_grad, bf16=dtype == torch.bfloat16,
-                params_dtype=dtype, use_distributed_optimizer=self.distributed_optimizer,
-            ),
-            self.model,
-        )
-        decay_steps = oc.decay_steps if oc.decay_style != "constant" else max(oc.warmup_steps + 1, 1)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if oc.warmup_steps else oc.lr, max_lr=oc.lr, min_lr=oc.min_lr,
-            lr_warmup_steps=oc.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=oc.decay_style,
-            start_wd=oc.weight_decay, end_wd=oc.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
-        )
+        built = build_actor(config, hf_config, self.parallel)  # model chunks, DDP, optimizer, schedule
+        self.model, self.optimizer, self.scheduler = built.model, built.optimizer, built.scheduler
+        self.layout, self.hf_vocab_size, self.moe_shape = built.layout, built.hf_vocab_size, built.moe_shape
+        self.routing_tapes, self.chunk_tapes = built.routing_tapes, built.chunk_tapes
         self.num_updates = 0
         self.num_skipped_steps = 0
         self.phase_times = {"recompute": 0.0, "search": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
@@ -166,10 +107,6 @@ class Actor:
         differ across ranks, unlike the returned metrics)."""
         self.mismatch_checked = False
         """The first update's mismatch was checked against `mismatch.warn_kl` (warned at most once)."""
-        logger.info("actor built: %s parameters on this rank, %s, %s micro-batches, %s optimizer",
-                    f"{sum(p.numel() for m in self.model for p in m.parameters()):,}", config.dtype,
-                    "packed" if config.packing else "padded",
-                    "distributed" if self.distributed_optimizer else "plain")
 
     # ------------------------------------------------------------------ batches
     @property
@@ -356,10 +293,20 @@ class Actor:
         """Bounds for the ratio exp(lp - ref) (ref: behavior or recomputed old log-probs), each token's
         contribution weighted by its importance correction as in the loss."""
         ratio = torch.exp(clamped_log_ratio(lp.detach().float(), ref) * mask)
+        # Not raised here: only this (last) stage knows; `_minibatch_step` agrees with the other stages.
         res = search_clip_bounds(ratio, adv, mask, self.config.bapo, rollout_logprobs=beh, token_weights=weights,
-                                 group=self._search_group())
+                                 group=self._search_group(), raise_nonfinite=False)
         acc.add_search(res.c_low, res.c_high, res.rho_initial, res.rho, res.num_steps)
         return res
+
+    def _any_stage(self, flag: bool) -> bool:
+        """`flag` of any pipeline stage (a MAX over the pipeline group, on the device its backend
+        carries): a decision only the last stage can make, taken by every stage together."""
+        if dist.get_world_size(self.parallel.pp_group) == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.parallel.pp_group)
+        return bool(t.item() > 0)
 
     def _train_loss(self, step: StepInputs, acc: MetricSums, measure: Optional[MismatchSums], mb: dict,
                     logits: torch.Tensor):
@@ -417,6 +364,7 @@ class Actor:
             mbs = [dict(mb, **extra) for mb, extra in zip(mbs, old)]
         acc = MetricSums(self.device)
         bounds = None
+        nonfinite = 0
         t0 = time.perf_counter()
         if self.config.search_scope == "minibatch":
             if reuse_search:
@@ -437,7 +385,15 @@ class Actor:
                 ref = cat("old_logprobs") if old else beh
                 weights = cat("is_weights") if old else None
                 res = self._search(lp, ref, beh, cat("advantages"), torch.ones_like(lp), weights, acc)
-                bounds = (res.c_low, res.c_high)
+                bounds, nonfinite = (res.c_low, res.c_high), res.num_nonfinite
+            # Non-finite current log-probs (the model's forward, not the batch: that was checked where
+            # it was prepared): every stage skips together, or the others would wait for the last one
+            # in the forward-backward below until the collective timeout.
+            if self._any_stage(nonfinite > 0):
+                self.phase_times["search"] += time.perf_counter() - t0
+                self._skip("non-finite current log-probs in the bound search's pass"
+                           + (f" ({nonfinite} loss tokens)" if nonfinite else ""))
+                return self._skipped_metrics()
         t1 = time.perf_counter()  # the search's result is on the host: the pass has finished
         for m in self.model:
             m.train()
@@ -468,40 +424,15 @@ class Actor:
         return metrics
 
     def _grad_norm_or_skip(self, loss: float) -> Optional[float]:
-        """The global grad norm, or None (step skipped and counted) when it or the loss is not finite.
-
-        These are the first two stages of megatron's `optimizer.step()` (`prepare_grads`, then
-        `get_grad_norm`: one all-reduce over the grad-stats group); `_optimizer_step` runs the rest,
-        so neither runs twice. Every rank decides the same: the norm is reduced over the
-        model-parallel group (and DP for the distributed optimizer), DP replicas hold all-reduced
-        gradients, and the flag is all-reduced over all actor ranks anyway, so no rank steps while
-        another skips.
-        """
-        found_inf = bool(self.optimizer.prepare_grads())
-        norm = float(self.optimizer.get_grad_norm() or 0.0)
-        flag = torch.tensor([0.0 if (not found_inf and math.isfinite(norm) and math.isfinite(loss)) else 1.0],
-                            device=self.device)
-        if dist.get_world_size(self.parallel.world_group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.parallel.world_group)
-        if float(flag) == 0.0:
-            return norm
-        self.optimizer.zero_grad()
-        self._skip(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} (grad norm {norm})")
-        return None
+        """The global grad norm, or None (step skipped on every rank, counted) when it or the loss is
+        not finite (`actor.optimizer_step`: megatron's step in two halves)."""
+        norm, seen = grad_norm_or_skip(self.optimizer, loss, self.parallel.world_group, self.device)
+        if norm is None:
+            self._skip(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} (grad norm {seen})")
+        return norm
 
     def _optimizer_step(self, grad_norm: float) -> None:
-        """The rest of megatron's `ChainedOptimizer.step()` (megatron/core/optimizer/optimizer.py):
-        clip every optimizer's gradients by the norm already computed, then `step_with_ready_grads`."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            params = opt.get_parameters()
-            if opt.config.clip_grad > 0.0 and params and not getattr(opt, "is_stub_optimizer", False):
-                clip_grad_by_total_norm_fp32(
-                    params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
-                    use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-                )
-        self.optimizer.step_with_ready_grads()
+        step_with_norm(self.optimizer, grad_norm)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory) -> "Path":
