@@ -37,6 +37,7 @@ from megatron_bapo.experience import build_experience
 from megatron_bapo.logs import CONSOLE
 from megatron_bapo.metrics import MetricsWriter
 from megatron_bapo.run_state import CheckpointError
+from megatron_bapo.rollout.batch import mask_stale_tokens
 from megatron_bapo.rollout.pool import ServerPool
 from megatron_bapo.sync.export import NullSink
 
@@ -58,6 +59,7 @@ class Driver:
         self.client: Any = None
         self.producer: Any = None
         self.writer: Optional[MetricsWriter] = None
+        self._thread_cpu = 0.0
         self.record: dict[str, Any] = {}
         """What this run's checkpoints record about it (`run_record`), saved as trainer.json's "run"."""
 
@@ -87,6 +89,12 @@ class Driver:
                                weight_version=version, vocab_size=int(hf_config.vocab_size))
         self.client = self.pool.start()
         self._check_context()
+        lag = ro.num_segments - 1 + cfg.trainer.async_steps
+        if ro.max_staleness is not None and ro.max_staleness < lag:
+            logger.info("rollout.max_staleness=%d is below the %d versions a %d-token response spans (%d segments, "
+                        "%d step(s) ahead): the oldest tokens of such responses will leave the loss "
+                        "(staleness/num_masked_tokens); the rest of each response trains", ro.max_staleness, lag,
+                        ro.max_response_tokens, ro.num_segments, cfg.trainer.async_steps)
         # Per-request seeds only where the servers honour them (SGLang: --enable-deterministic-inference).
         manager = PartialRolloutManager(self.client, ro, seed=cfg.trainer.seed if ro.deterministic_inference else None)
         self.producer = RolloutProducer(self.client, manager, lambda: self.dataset.next_batch(ro.prompts_per_step),
@@ -178,21 +186,39 @@ class Driver:
         rejected stops the run with their message (`rollout.max_failed_group_rate`).
         """
         cfg = self.config
+        entered = time.monotonic()
         self.pool.ensure_alive()
-        done, waited = self.pool.retry_after_restart(lambda: self.producer.next(version),
-                                                     before_retry=self.producer.restart)
+        done, waited = self.pool.retry_after_restart(self.producer.next, before_retry=self.producer.restart)
         self._check_rejections(done)
         t0 = time.monotonic()
         batch, metrics = build_experience(done.groups, self.tokenizer, cfg.reward, cfg.advantage,
                                           n_minibatches=cfg.actor.n_minibatches,
                                           temperature=cfg.rollout.sampling.temperature,
                                           routed_experts_shape=self.routed_experts_shape)
+        if batch is not None:  # staleness, per token, against the weights about to train them
+            metrics.update(mask_stale_tokens(batch, version, cfg.rollout.max_staleness))
+            if not bool((batch["loss_mask"] > 0).any()):
+                batch = None
         self.ledger.record(step, done.prompts, done.groups)
         metrics.update(done.metrics)
         metrics.update(self.dataset.metrics())
         metrics.update({"timing/rollout_s": done.metrics.get("rollout/step_s", 0.0), "timing/rollout_wait_s": waited,
                         "timing/reward_s": time.monotonic() - t0})
+        # What the driver costs rank 0's step (every rank waits for rank 0 at the scatter): its own
+        # time here, not counting the wait for rollout, and the CPU its rollout thread used since the
+        # previous step, concurrently with training (HTTP, reply parsing, the buffer).
+        cpu = self._rollout_thread_cpu()
+        metrics.update({"timing/driver_s": time.monotonic() - entered - waited,
+                        "timing/driver_thread_cpu_s": max(cpu - self._thread_cpu, 0.0)})
+        self._thread_cpu = cpu
         return batch, metrics
+
+    def _rollout_thread_cpu(self) -> float:
+        """CPU seconds (user + system) the rollout client's loop thread has used so far."""
+        import psutil
+
+        tid = self.client.loop_thread_id
+        return next((t.user_time + t.system_time for t in psutil.Process().threads() if t.id == tid), 0.0)
 
     def _check_rejections(self, done: Any) -> None:
         from megatron_bapo.rollout.errors import RolloutError

@@ -5,9 +5,14 @@ Why this shape:
   would make them unreachable by `/abort_request`.
 - Request ids are fixed-length uuid hex: the scheduler aborts every rid that STARTS WITH the
   given one, so variable-length ids could abort their neighbours.
-- All requests go out at once up to `max_concurrency` (one semaphore over the pool) and each
-  goes to the healthy server with the fewest requests in flight, so a slow server or a slow
-  request never holds back the others.
+- All requests go out at once up to the concurrency the servers' KV cache holds (`concurrency.py`:
+  per server from `/server_info`, unless `max_concurrency` is set) and each goes to the healthy
+  server with the most room left, so a slow server or a slow request never holds back the others.
+- A pause for a weight update is also the client's: under an "abort" pause, requests still waiting
+  in the client are not sent (they come back aborted with no tokens and go out as fresh segments on
+  the new weights), and requests the paused servers held without running are cut before
+  continue; under "retract" / "in_place" new requests wait in the client until continue. Nothing
+  runs a whole segment into a paused server (control.py).
 - A request that fails (connection error, timeout, 5xx, a reply that fails the checks of
   `protocol.parse_generate_reply`: impossible log-probs, token counts, ids or versions) is retried with
   exponential backoff on another server; the failing server gets no new work for
@@ -35,6 +40,7 @@ from typing import Any, Awaitable, Optional, Sequence, TypeVar
 
 import aiohttp
 
+from megatron_bapo.rollout import concurrency
 from megatron_bapo.rollout.config import SAMPLING_KEYS, RolloutClientConfig
 from megatron_bapo.rollout.control import ControlMixin
 from megatron_bapo.rollout.errors import ProtocolError, RequestRejected, RolloutError
@@ -97,8 +103,25 @@ class RolloutClient(ControlMixin):
         self._abort_epoch = 0
         self._workers: Optional[list[str]] = list(config.urls) or None
         self.stats: dict[str, int] = {"num_requests": 0, "num_retries": 0, "num_rejected": 0,
-                                      "num_aborted_before_send": 0, "num_bad_replies": 0}
-        """`num_bad_replies`: 200 replies refused by `protocol.parse_generate_reply` (retried elsewhere)."""
+                                      "num_aborted_before_send": 0, "num_bad_replies": 0, "num_cut_by_pause": 0,
+                                      "num_abort_pauses": 0}
+        """`num_bad_replies`: 200 replies refused by `protocol.parse_generate_reply` (retried elsewhere);
+        `num_aborted_before_send`: requests an abort or an "abort" pause found still waiting in the client;
+        `num_cut_by_pause`: requests a paused server held without running them, cut before continue;
+        `num_abort_pauses`: "abort" pauses so far (a round they cut short may go on: `PartialRolloutManager`)."""
+        # Pauses (control.py): the abort epoch an "abort" pause began at (requests sent before it and
+        # still unanswered at continue were held, not run), and the hold of the other modes.
+        self._pause_epoch: Optional[int] = None
+        self._held = False
+        self._held_waiters: list[asyncio.Future] = []
+        self._sent: dict[str, tuple[int, asyncio.Future]] = {}  # rid -> (abort epoch when sent, its POST)
+        self._cut: set[str] = set()
+        # Concurrency (concurrency.py): per-server caps once fitted, the request size they were fitted for.
+        self.server_caps: Optional[dict[str, int]] = None
+        """Requests each server holds at once (from its `/server_info`), once fitted; None before."""
+        self._fitted_for: Optional[tuple] = None
+        self._warned_concurrency = False
+        self._fit_locks: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock]" = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ plumbing
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
@@ -112,6 +135,12 @@ class RolloutClient(ControlMixin):
         return self._background.submit(coro)
 
     @property
+    def loop_thread_id(self) -> Optional[int]:
+        """The native id of the thread running the client's loop (None before first use): where
+        rank 0's rollout work runs, next to training (`Driver` reports its CPU time per step)."""
+        return None if self._background is None else self._background.thread.native_id
+
+    @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The background event loop (started on first use)."""
         if self._background is None:
@@ -123,17 +152,66 @@ class RolloutClient(ControlMixin):
         delay = min(self.config.backoff_s * 2 ** (attempt - 1), self.config.backoff_max_s)
         return delay * (0.75 + 0.5 * random.random())
 
-    def _session(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
-        """The session and concurrency semaphore of the running loop (aiohttp objects are per loop)."""
+    def _session(self) -> tuple[aiohttp.ClientSession, concurrency.Slots]:
+        """The session and concurrency slots of the running loop (aiohttp objects are per loop)."""
         loop = asyncio.get_running_loop()
         state = self._per_loop.get(loop)
         if state is None or state[0].closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-            # limit=0: the semaphore caps concurrency; the pool must not queue requests behind it.
+            # limit=0: the slots cap concurrency; the pool must not queue requests behind it.
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
-            state = (session, asyncio.Semaphore(self.config.max_concurrency))
+            state = (session, concurrency.Slots(lambda: self.max_in_flight))
             self._per_loop[loop] = state
         return state
+
+    @property
+    def max_in_flight(self) -> int:
+        """Requests in flight at once over the pool: `max_concurrency` when configured, else the sum
+        of the fitted per-server caps (before a fit: `concurrency.DEFAULT_CAP` per server)."""
+        if self.config.max_concurrency is not None:
+            return int(self.config.max_concurrency)
+        if self.server_caps:
+            return sum(self.server_caps.values())
+        return concurrency.DEFAULT_CAP * max(1, len(self.config.urls))
+
+    async def afit_concurrency(self, tokens_per_request: Optional[int] = None) -> int:
+        """Size the concurrency from every server's `/server_info` for requests holding
+        `tokens_per_request` KV tokens (None: the context length); warns once when a configured
+        `max_concurrency` exceeds what the servers hold. Cheap when nothing changed. Returns
+        `max_in_flight`."""
+        workers = tuple(await self.aworker_urls())
+        key = (workers, tokens_per_request)
+        if key == self._fitted_for:
+            return self.max_in_flight
+        infos = await self.aget_server_info()
+        caps = {u: concurrency.server_cap(infos[u] or {}, tokens_per_request) for u in workers}
+        grew = self.server_caps is None or sum(caps.values()) > sum(self.server_caps.values())
+        self.server_caps, self._fitted_for = caps, key
+        configured = self.config.max_concurrency
+        if configured is not None and configured > sum(caps.values()) and not self._warned_concurrency:
+            logger.warning(concurrency.too_many_message(configured, caps, infos, tokens_per_request))
+            self._warned_concurrency = True
+        logger.info("rollout concurrency %d (%s; ~%s KV tokens per request)", self.max_in_flight,
+                    ", ".join(f"{u}: {c}" for u, c in caps.items()), tokens_per_request or "context length")
+        if grew:
+            await self._session()[1].resized()
+        return self.max_in_flight
+
+    def fit_concurrency(self, tokens_per_request: Optional[int] = None) -> int:
+        return self.run(self.afit_concurrency(tokens_per_request))
+
+    async def _fit_lazily(self) -> None:
+        """A client used alone (no run sizes its requests) fits once, by the context length; servers
+        that cannot be asked keep the default caps (the request's own retries handle them)."""
+        loop = asyncio.get_running_loop()
+        lock = self._fit_locks.setdefault(loop, asyncio.Lock())
+        async with lock:
+            if self.server_caps is not None:
+                return
+            try:
+                await self.afit_concurrency()
+            except RolloutError as exc:
+                logger.debug("cannot size the concurrency from /server_info yet: %s", exc)
 
     async def aclose(self) -> None:
         loop = asyncio.get_running_loop()
@@ -155,7 +233,8 @@ class RolloutClient(ControlMixin):
 
     # ------------------------------------------------------------------ server choice
     def _pick_url(self, avoid: Optional[str] = None) -> str:
-        """Router if configured; else the healthy worker with the fewest requests in flight."""
+        """Router if configured; else the healthy worker with the most room left (fewest requests in
+        flight relative to its cap: `server_caps`)."""
         if self.config.router_url:
             return self.config.router_url
         now = time.monotonic()
@@ -165,7 +244,8 @@ class RolloutClient(ControlMixin):
             healthy = [u for u in healthy if u != avoid] or healthy
         if not healthy:  # every server failed recently: try the one that failed longest ago
             return min(urls, key=lambda u: self._unhealthy_until[u])
-        return min(healthy, key=lambda u: (self._in_flight[u], random.random()))
+        caps = self.server_caps or {}
+        return min(healthy, key=lambda u: (self._in_flight[u] / caps.get(u, 1), random.random()))
 
     def _mark_unhealthy(self, url: str, reason: str) -> None:
         """No new requests to `url` for a cooldown; one WARNING when it turns unhealthy (a dead server
@@ -199,7 +279,9 @@ class RolloutClient(ControlMixin):
             raise ValueError(f"sampling_params has unknown key(s) {bad}; allowed: {sorted(SAMPLING_KEYS)}")
         if not input_ids:
             raise ValueError("agenerate: input_ids is empty")
-        session, semaphore = self._session()
+        if self.config.max_concurrency is None and self.server_caps is None:
+            await self._fit_lazily()
+        session, slots = self._session()
         epoch = self._abort_epoch
         payload: dict[str, Any] = {"input_ids": [int(x) for x in input_ids], "sampling_params": dict(sampling_params),
                                    "return_logprob": True}
@@ -207,19 +289,24 @@ class RolloutClient(ControlMixin):
             payload.update(return_routed_experts=True, routed_experts_start_len=int(routed_experts_start_len))
         last_url: Optional[str] = None
         last_error: Optional[BaseException] = None
-        async with semaphore:
+        async with slots:
             for attempt in range(self.config.max_retries + 1):
-                if epoch != self._abort_epoch:
-                    self.stats["num_aborted_before_send"] += 1
-                    return aborted_result(uuid.uuid4().hex, last_url or "")
                 if attempt:
                     self.stats["num_retries"] += 1
                     await asyncio.sleep(self._backoff(attempt))
+                # An abort, or an "abort" pause, that began while it waited for a slot ends it unsent; a
+                # request made during a pause waits for continue (it then runs on the new weights).
+                for held in (False, True):
+                    if held:
+                        await self._wait_while_held()
+                    if epoch != self._abort_epoch:
+                        self.stats["num_aborted_before_send"] += 1
+                        return aborted_result(uuid.uuid4().hex, last_url or "")
                 url = self._pick_url(avoid=last_url)
                 last_url = url
                 rid = uuid.uuid4().hex  # fresh per attempt: a retry must not collide with an in-flight id
                 try:
-                    return await self._post_generate(session, url, rid, payload)
+                    return await self._send(session, url, rid, payload)
                 except RequestRejected:
                     self.stats["num_rejected"] += 1
                     raise
@@ -234,6 +321,21 @@ class RolloutClient(ControlMixin):
         detail = str(last_error) if isinstance(last_error, ProtocolError) else repr(last_error)
         raise RolloutError(f"/generate failed after {self.config.max_retries + 1} attempts, the last on {last_url}: "
                            f"{detail}; servers failing now: {down or [last_url]}")
+
+    async def _send(self, session: aiohttp.ClientSession, url: str, rid: str, payload: dict) -> GenerateResult:
+        """`_post_generate`, cut short (an abort with no tokens) when a pause found it held unrun by a paused server."""
+        post = asyncio.ensure_future(self._post_generate(session, url, rid, payload))
+        self._sent[rid] = (self._abort_epoch, post)
+        try:
+            return await post
+        except asyncio.CancelledError:
+            if rid not in self._cut:
+                raise
+            self._cut.discard(rid)
+            self.stats["num_cut_by_pause"] += 1
+            return aborted_result(rid, url)
+        finally:
+            self._sent.pop(rid, None)
 
     async def _post_generate(self, session: aiohttp.ClientSession, url: str, rid: str, payload: dict) -> GenerateResult:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
