@@ -140,7 +140,7 @@ class RolloutProducer:
             return groups
         keep, stale = [], []
         for g in groups:
-            oldest = min((v for s in g.samples for v in s.response_versions), default=version)
+            oldest = min((v for s in g.samples for v in s.model_versions), default=version)  # sampled tokens only
             (stale if version - oldest > cap else keep).append(g)
         for g in stale:
             for s in g.samples:
