@@ -44,6 +44,11 @@ def with_options(expression: str, *, unit: str = "none", scale: int = 1):
     return f"{expression}:{unit}:{scale}"
 
 
+def pid(expression: str):
+    time.sleep(0.5)  # long enough for concurrent calls to overlap
+    return str(os.getpid())
+
+
 print("a plugin printing while it is imported")
 '''
 

@@ -22,10 +22,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-PARSERS = ("hermes",)
-"""Call formats `parse_tool_calls` understands."""
 
 
 @dataclasses.dataclass
@@ -77,12 +75,23 @@ class ToolCall:
 
 
 def parse_tool_calls(text: str, fmt: ToolCallFormat) -> list[ToolCall]:
-    """The calls in one model turn's text, in order (empty: the turn is a final answer)."""
+    """The calls in one model turn's text, in order (empty: the turn is a final answer), by the
+    format's parser (`PARSERS[fmt.parser]`)."""
+    return PARSERS[fmt.parser](text, fmt)
+
+
+def parse_hermes(text: str, fmt: ToolCallFormat) -> list[ToolCall]:
+    """Hermes: a JSON object `{"name", "arguments"}` in each complete `call_start ... call_end` block."""
     pattern = re.escape(fmt.call_start) + r"(.*?)" + re.escape(fmt.call_end)
-    return [_parse_hermes(m.group(1)) for m in re.finditer(pattern, text, flags=re.DOTALL)]
+    return [_parse_hermes_body(m.group(1)) for m in re.finditer(pattern, text, flags=re.DOTALL)]
 
 
-def _parse_hermes(body: str) -> ToolCall:
+PARSERS: dict[str, Callable[[str, "ToolCallFormat"], list[ToolCall]]] = {"hermes": parse_hermes}
+"""Call syntaxes by name (`rollout.agent.format.parser`). Another syntax (e.g. SGLang's `pythonic`
+or `llama3`): a function `(turn_text, fmt) -> [ToolCall]` registered here."""
+
+
+def _parse_hermes_body(body: str) -> ToolCall:
     try:
         obj = json.loads(body.strip())
     except ValueError as exc:
