@@ -44,6 +44,20 @@ def with_options(expression: str, *, unit: str = "none", scale: int = 1):
     return f"{expression}:{unit}:{scale}"
 
 
+def flaky(expression: str):
+    """By the expression's digits: hang, raise, print megabytes, or compute (a tool gone bad in a run)."""
+    kind = sum(map(ord, expression)) % 4
+    if kind == 0:
+        time.sleep(3600)
+    if kind == 1:
+        raise ConnectionError("the backend went away")
+    if kind == 2:
+        print("x" * 3_000_000)
+        return None
+    from megatron_bapo.rollout.tools.calculator import calculator
+    return calculator(expression)
+
+
 def pid(expression: str):
     time.sleep(0.5)  # long enough for concurrent calls to overlap
     return str(os.getpid())
