@@ -37,7 +37,7 @@ def run(next_turn, expressions=("6*7",), group_size=1, **agent_overrides):
         try:
             m = PartialRolloutManager(client, PartialRolloutConfig(group_size=group_size, max_response_tokens=600),
                                       agent=agent)
-            groups = m.step([Prompt(prompt_ids(TOK, e), index=i) for i, e in enumerate(expressions)], 0)
+            groups = m.step([Prompt(prompt_ids(TOK, e), index=i) for i, e in enumerate(expressions)], 0).groups
         finally:
             agent.close()
         return [s for g in groups for s in g.samples], srv.server.params, agent

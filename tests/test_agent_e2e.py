@@ -56,14 +56,14 @@ def test_agent_loop_sends_the_exact_ids_to_a_real_server(tool_assets, tmp_path, 
     try:
         with RecordingProxy(server.url, records) as proxy, RolloutClient(RolloutClientConfig(urls=[proxy.url])) as client:
             m = PartialRolloutManager(client, config, seed=7, agent=agent)
-            done = m.step(prompts, 0)
+            done = m.step(prompts, 0).groups
             for _ in range(10):
                 if not m.buffer:
                     break
                 state = json.loads(json.dumps(m.state_dict()))  # a checkpoint between every two rounds
                 m = PartialRolloutManager(client, config, seed=7, agent=agent)
                 m.load_state_dict(state)
-                done += m.step([], 0)
+                done += m.step([], 0).groups
     finally:
         server.stop()
         agent.close()

@@ -69,7 +69,7 @@ def turn_ids(expression: str, tool: str = "calculator") -> list[int]:
 def test_each_request_is_the_ids_sampled_so_far_plus_the_tools_ids(serve, agents):
     srv, client = serve(calculator_user(), weight_version="3")
     prompt = prompt_ids(TOK, "482*37")
-    (group,) = manager(client, agents()).step([Prompt(prompt, answer="17834", index=0)], 3)
+    (group,) = manager(client, agents()).step([Prompt(prompt, answer="17834", index=0)], 3).groups
     turn, tool = turn_ids("482*37"), TOK.encode("<tool_response>17834</tool_response>")
     answer = TOK.encode("17834") + [EOS_ID]
     for s in group.samples:
@@ -87,7 +87,7 @@ def test_each_request_is_the_ids_sampled_so_far_plus_the_tools_ids(serve, agents
 def test_tool_tokens_are_context_only_in_the_sample_and_the_batch(serve, agents):
     srv, client = serve(calculator_user(), weight_version="3")
     prompt = prompt_ids(TOK, "12*34")
-    (group,) = manager(client, agents()).step([Prompt(prompt, answer="408", index=0)], 3)
+    (group,) = manager(client, agents()).step([Prompt(prompt, answer="408", index=0)], 3).groups
     s = group.samples[0]
     (start, end), = s.agent.tool_spans
     seed = weights_seed("init")
@@ -113,7 +113,7 @@ def _run(client, agent, segment_tokens, *, round_trip: bool, prompts, rounds=60,
     """Rounds until every group is back; with `round_trip` the manager is rebuilt from its JSON state
     after every round (a resumed run). `inspect(manager, round)` sees the state between rounds."""
     m = manager(client, agent, segment_tokens=segment_tokens)
-    done = m.step(prompts, 0)
+    done = m.step(prompts, 0).groups
     for r in range(rounds):
         if inspect is not None:
             inspect(m, r)
@@ -123,7 +123,7 @@ def _run(client, agent, segment_tokens, *, round_trip: bool, prompts, rounds=60,
             state = json.loads(json.dumps(m.state_dict()))
             m = manager(client, agent, segment_tokens=segment_tokens)
             m.load_state_dict(state)
-        done += m.step([], 0)
+        done += m.step([], 0).groups
     assert not m.buffer
     return {g.prompt.index: [(s.response_ids, s.response_logprobs, s.response_versions, s.agent.tool_spans,
                               s.state.value) for s in g.samples] for g in done}
@@ -165,8 +165,10 @@ def test_staleness_counts_sampled_tokens_only(serve, agents):
     assert any(v == NO_VERSION for s in group.samples for v in s.response_versions)
     # Version 5 everywhere it was sampled: not stale at 5 with a cap of 0 (the tool's -1 would be).
     assert not m._too_stale(group.samples[0], 5) and m._too_stale(group.samples[0], 6)
-    m.step([], 5)
+    done = m.step([], 5).groups
     assert m.totals["num_regenerated"] == 0 and not m.buffer
+    kept, regenerated = m.requeue_stale(done, 5)  # handed to training at version 5: nothing is too old
+    assert (kept, regenerated) == (done, 0) and m.requeue_stale(done, 6)[1] == 2
 
 
 def test_tools_that_hang_crash_exit_or_print_megabytes_give_bounded_errors_and_are_counted(serve, agents, tmp_path,
@@ -179,7 +181,8 @@ def test_tools_that_hang_crash_exit_or_print_megabytes_give_bounded_errors_and_a
                    num_tool_workers=2)
     cases = ["hang", "crash", "exit", "spam", "huge", "6*7"]
     m = manager(client, agent, group_size=1, max_response_tokens=400)
-    groups = m.step([Prompt(prompt_ids(TOK, e), answer="", index=i) for i, e in enumerate(cases)], 0)
+    first = m.step([Prompt(prompt_ids(TOK, e), answer="", index=i) for i, e in enumerate(cases)], 0)
+    groups = first.groups
     results = {cases[g.prompt.index]: decoded_spans(TOK, g.samples[0])[0] for g in groups}
     assert sorted(results) == sorted(cases)  # every sample finished: the run goes on
     inner = {k: v[len("<tool_response>"):-len("</tool_response>")] for k, v in results.items()}
@@ -189,12 +192,12 @@ def test_tools_that_hang_crash_exit_or_print_megabytes_give_bounded_errors_and_a
     for k in ("spam", "huge"):
         assert len(inner[k]) == 120 and "characters in all" in inner[k]
     assert inner["spam"].startswith("xxxx") and inner["6*7"] == "42"
-    metrics = m.last_metrics
+    metrics = first.metrics
     assert (metrics["rollout/num_tool_calls"], metrics["rollout/num_tool_timeouts"], metrics["rollout/num_tool_errors"],
             metrics["rollout/num_tool_truncated"]) == (6, 1, 2, 2)
     assert metrics["rollout/tool_s"] >= 2.0
     # The pools replaced their killed and dead workers: the same tool works in the next step.
-    (again,) = m.step([Prompt(prompt_ids(TOK, "8*8"), answer="", index=9)], 0)
+    (again,) = m.step([Prompt(prompt_ids(TOK, "8*8"), answer="", index=9)], 0).groups
     assert decoded_spans(TOK, again.samples[0]) == ["<tool_response>64</tool_response>"]
 
 
@@ -210,7 +213,7 @@ def test_tools_that_hang_crash_exit_or_print_megabytes_give_bounded_errors_and_a
 ])
 def test_malformed_and_unknown_calls_become_error_messages(serve, agents, turn, expected):
     srv, client = serve(scripted_policy(lambda expr, results: turn if not results else "done"))
-    (group,) = manager(client, agents(), group_size=1).step([Prompt(prompt_ids(TOK, "x"), answer="", index=0)], 0)
+    (group,) = manager(client, agents(), group_size=1).step([Prompt(prompt_ids(TOK, "x"), answer="", index=0)], 0).groups
     s = group.samples[0]
     (span,) = decoded_spans(TOK, s)
     assert span.startswith("<tool_response>" + expected)
@@ -220,7 +223,7 @@ def test_malformed_and_unknown_calls_become_error_messages(serve, agents, turn, 
 def test_max_turns_max_calls_per_turn_and_no_room_for_a_result(serve, agents):
     srv, client = serve(calculator_user(calls=5))
     (group,) = manager(client, agents(max_turns=3), group_size=1, max_response_tokens=300).step(
-        [Prompt(prompt_ids(TOK, "2*2"), answer="", index=0)], 0)
+        [Prompt(prompt_ids(TOK, "2*2"), answer="", index=0)], 0).groups
     s = group.samples[0]
     assert len(s.agent.tool_spans) == 2 and s.agent.ended_by == "max_turns" and s.state is SampleState.COMPLETED
     assert s.response_ids[-1] == TOK.convert_tokens_to_ids("</tool_call>")  # the third call was written, not run
@@ -229,7 +232,7 @@ def test_max_turns_max_calls_per_turn_and_no_room_for_a_result(serve, agents):
     srv, client = serve(scripted_policy(lambda expr, results: two if not results else "ok"))
     agent = agents(max_calls_per_turn=2, format=ToolCallFormat(stop_at_call_end=False))  # the turn ends at EOS
     (group,) = manager(client, agent, group_size=1, max_response_tokens=400).step(
-        [Prompt(prompt_ids(TOK, "y"), answer="", index=0)], 0)
+        [Prompt(prompt_ids(TOK, "y"), answer="", index=0)], 0).groups
     (span,) = decoded_spans(TOK, group.samples[0])
     assert span == ("<tool_response>2</tool_response><tool_response>4</tool_response><tool_response>error: more "
                     "than 2 tool calls in one turn; this one was not run</tool_response>")
@@ -237,7 +240,7 @@ def test_max_turns_max_calls_per_turn_and_no_room_for_a_result(serve, agents):
     srv, client = serve(calculator_user())
     first = len(turn_ids("3*3"))
     (group,) = manager(client, agents(), group_size=1, max_response_tokens=first + 3).step(
-        [Prompt(prompt_ids(TOK, "3*3"), answer="", index=0)], 0)
+        [Prompt(prompt_ids(TOK, "3*3"), answer="", index=0)], 0).groups
     s = group.samples[0]  # the result's 3 tokens would leave no room for an answer
     assert s.state is SampleState.TRUNCATED and s.agent.ended_by == "no_room" and not s.agent.tool_spans
 
@@ -245,8 +248,7 @@ def test_max_turns_max_calls_per_turn_and_no_room_for_a_result(serve, agents):
 def test_rollout_metrics_count_turns_tools_and_tokens(serve, agents):
     srv, client = serve(calculator_user())
     m = manager(client, agents(), group_size=2)
-    m.step([Prompt(prompt_ids(TOK, e), answer="", index=i) for i, e in enumerate(["2*3", "40*50"])], 0)
-    out = m.last_metrics
+    out = m.step([Prompt(prompt_ids(TOK, e), answer="", index=i) for i, e in enumerate(["2*3", "40*50"])], 0).metrics
     tool_tokens = [len(TOK.encode(f"<tool_response>{r}</tool_response>")) for r in ("6", "2000")]
     assert out["rollout/num_tool_calls"] == 4 and out["rollout/num_tool_tokens"] == 2 * sum(tool_tokens)
     assert out["rollout/turns_mean"] == 2.0 and out["rollout/tool_call_rate"] == 1.0

@@ -105,11 +105,11 @@ class AgentSampler:
         for first in range(0, len(prompts_ids), chunk):
             prompts = [Prompt(list(ids), index=first + k) for k, ids in enumerate(prompts_ids[first:first + chunk])]
             try:
-                groups = await manager.astep(prompts, 0)
+                groups = (await manager.astep(prompts, 0)).groups
                 for _ in range(MAX_AGENT_ROUNDS):
                     if not manager.buffer:
                         break
-                    groups += await manager.astep([], 0)
+                    groups += (await manager.astep([], 0)).groups
             except RolloutError as exc:
                 raise SamplingError(str(exc)) from exc
             if manager.buffer:

@@ -89,5 +89,5 @@ def _eval(node: ast.AST) -> Number:
         what = f"calling {node.func.id}"
     else:
         what = f"name {node.id}" if isinstance(node, ast.Name) else type(node).__name__
-    raise ToolError(f"{what!r} is not allowed (numbers, + - * / // % **, parentheses and "
+    raise ToolError(f"{what} is not allowed (numbers, + - * / // % **, parentheses and "
                     f"{', '.join(sorted(_FUNCTIONS))} only)")
