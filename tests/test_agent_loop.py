@@ -273,3 +273,20 @@ def test_evaluation_runs_the_same_agent_loop(serve, agents):
     response = records[0]["responses"][0]
     assert response["num_tool_calls"] == 1 and response["text"].endswith("</tool_response>17834")
     assert len(srv.server.requests) == 3 * 2 * 2
+
+
+def test_evaluate_tool_takes_the_agent_section_of_a_run_config(serve, tiny_hf_dir, tmp_path, capsys):
+    from megatron_bapo.eval.cli import main
+
+    srv, _ = serve(calculator_user())
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"prompt": "12*12=", "answer": "144"}\n{"prompt": "7*6=", "answer": "41"}\n')
+    rc = main(["--model-path", str(tiny_hf_dir), "--data", str(data), "--n", "2", "--temperature", "1.0",
+               "--top-p", "1.0", "--max-new-tokens", "160", "--reward", "arithmetic_final", "--server-url", srv.url,
+               "--agent-config", "examples/configs/tiny_tools.yaml", "--output", str(tmp_path / "out")])
+    assert rc == 0
+    summary = json.loads((tmp_path / "out" / "metrics.json").read_text())["metrics"]
+    assert summary["eval/t/avg@2"] == 0.5 and summary["eval/t/tool_call_rate"] == 1.0
+    assert "tool_call_rate" in capsys.readouterr().out
+    assert main(["--model-path", str(tiny_hf_dir), "--data", str(data), "--agent-config",
+                 "examples/configs/tiny_bapo.yaml"]) == 2  # no tools there: one line, exit 2

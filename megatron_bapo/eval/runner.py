@@ -146,12 +146,14 @@ def evaluate_checkpoint(
     server_urls: Sequence[str] = (),
     output_dir: Optional[Union[str, Path]] = None,
     server_kwargs: Optional[dict] = None,
+    agent: Any = None,
 ) -> dict[str, float]:
     """Evaluate an HF checkpoint directory on `config.datasets` (what `tools/evaluate.py` runs).
 
     Samples through `server_urls` (SGLang servers or a router serving this checkpoint) or, when
     none are given, a built-in server started on loopback and stopped afterwards. Writes
-    `<output_dir>/<dataset>.jsonl` (per problem) and `<output_dir>/metrics.json`.
+    `<output_dir>/<dataset>.jsonl` (per problem) and `<output_dir>/metrics.json`. With `agent` (a
+    `rollout.agent.AgentConfig` with tools) responses run through the agent loop and its tools.
     """
     from transformers import AutoTokenizer
 
@@ -162,7 +164,16 @@ def evaluate_checkpoint(
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     with _servers(str(model_path), server_urls, dict(server_kwargs or {})) as urls:
         with RolloutClient(RolloutClientConfig(urls=list(urls), max_concurrency=config.concurrency)) as client:
-            metrics = client.run(run_evaluation(client, tokenizer, config, output_dir=output_dir))
+            loop = None
+            if agent is not None:
+                from megatron_bapo.rollout.agent import AgentLoop
+
+                loop = AgentLoop(agent, tokenizer)
+            try:
+                metrics = client.run(run_evaluation(client, tokenizer, config, output_dir=output_dir, agent=loop))
+            finally:
+                if loop is not None:
+                    loop.close()
     if output_dir is not None:
         summary = {"model_path": str(model_path), "server_urls": list(server_urls) or "built-in",
                    "config": dataclasses.asdict(config), "metrics": metrics}
@@ -179,8 +190,10 @@ def format_metrics(metrics: dict[str, float]) -> str:
         _, ds, name = key.split("/", 2)
         by_ds.setdefault(ds, {})[name] = value
     cols = [c for c in next(iter(by_ds.values()), {}) if "@" in c] + ["num_problems", "num_answer_failures"]
+    cols += [c for c in ("tool_call_rate",) if c in next(iter(by_ds.values()), {})]
     lines = ["dataset".ljust(16) + "".join(c.rjust(20) for c in cols)]
     for ds, values in by_ds.items():
-        cells = "".join((f"{values[c]:.4f}" if "@" in c else f"{values[c]:.0f}").rjust(20) for c in cols if c in values)
+        cells = "".join((f"{values[c]:.4f}" if "@" in c or c == "tool_call_rate" else f"{values[c]:.0f}").rjust(20)
+                        for c in cols if c in values)
         lines.append(ds.ljust(16) + cells)
     return "\n".join(lines)
