@@ -4,7 +4,7 @@ The default is the Hermes format Qwen2.5/Qwen3 are trained on (SGLang's `qwen25`
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "482*37"}}</tool_call>
 
-One model turn may hold several such blocks (parallel calls, run in order of appearance). Only
+One model turn may hold several such blocks (parallel calls: run concurrently, results in order). Only
 complete blocks count; text outside them is ignored; a block whose body is not a JSON object with a
 string "name" (and an "arguments" object, or a JSON string holding one) is a malformed call: the
 model gets an error message as its result, and the call counts as an error. A turn without a
