@@ -54,7 +54,7 @@ class TinyAssetsConfig:
     @classmethod
     def tools(cls, seed: int = 0) -> "TinyAssetsConfig":
         """The tool task (module docstring): multiplication, 30% of the SFT examples call the calculator,
-        no looping habit, SFT stopped at 15% sampled accuracy (measured: docs and README)."""
+        no looping habit, SFT stopped at 15% sampled accuracy (the curve: `tiny.tool_task`)."""
         return cls(seed=seed, task=TaskConfig.tools(),
                    sft=SFTConfig(tool_fraction=0.3, loop_fraction=0.0, target_accuracy=0.15, max_steps=400,
                                  eval_every=100, min_steps=200))
