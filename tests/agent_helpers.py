@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from megatron_bapo.tiny.tokenizer import _bytes_to_unicode, build_tiny_tokenizer
 
@@ -151,6 +151,3 @@ def decoded_spans(tok, sample) -> list[str]:
     """The text of each tool span of a sample."""
     return [tok.decode(sample.response_ids[a:b]) for a, b in sample.agent.tool_spans]
 
-
-def model_ids(sample) -> Sequence[int]:
-    return [t for t, m in zip(sample.response_ids, sample.model_mask) if m]

@@ -15,7 +15,6 @@ Parametrized by engine so the live-SGLang engine (issue 31's `rollout.engine`) j
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-from agent_helpers import (EOS_ID, agent_config, calculator_user, call_text, decoded_spans, junk_byte_id, model_ids,
-                           prompt_ids, scripted_policy, tokenizer, write_plugins)
+from agent_helpers import (EOS_ID, agent_config, calculator_user, call_text, decoded_spans, junk_byte_id, prompt_ids,
+                           scripted_policy, tokenizer, write_plugins)
 from fake_server import ThreadedFakeServer, token_logprob, weights_seed
 from megatron_bapo.rollout import (PartialRolloutConfig, PartialRolloutManager, Prompt, RolloutClient,
                                    RolloutClientConfig, SampleState, build_batch)

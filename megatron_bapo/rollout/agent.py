@@ -29,7 +29,8 @@ import dataclasses
 import logging
 from typing import Any, Optional, Protocol, Sequence
 
-from megatron_bapo.rollout.tool_calls import ToolCall, ToolCallFormat, encode_text, parse_tool_calls, render_results, stop_params
+from megatron_bapo.rollout.tool_calls import (ToolCall, ToolCallFormat, encode_text, parse_tool_calls, render_results,
+                                              stop_params)
 from megatron_bapo.rollout.tools import ToolDef, ToolOutcome, ToolRunner
 from megatron_bapo.rollout.types import AgentState, GenerateResult, Sample, SampleState
 

@@ -38,7 +38,8 @@ _BLOCKED = ("socket.", "subprocess.Popen", "os.system", "os.exec", "os.posix_spa
             "os.forkpty", "pty.", "ctypes.", "os.startfile")
 def _hook(event, args):
     if event.startswith(_BLOCKED) or (event == "import" and args and args[0] in ("_ctypes", "ctypes")):
-        raise PermissionError(f"{event} {args[0] if event == 'import' else ''}".strip() + " is not allowed in the python tool")
+        what = f"import {args[0]}" if event == "import" else event
+        raise PermissionError(f"{what} is not allowed in the python tool")
 _code = sys.stdin.read()
 sys.stdin = open("/dev/null")
 sys.addaudithook(_hook)
