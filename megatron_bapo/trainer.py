@@ -25,6 +25,7 @@ import contextlib
 import logging
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -162,9 +163,10 @@ class Trainer:
             raise ConfigError(f"model.hf_path={hf_path!r} has no config.json; point it at an HF checkpoint directory")
         self.hf_config = AutoConfig.from_pretrained(hf_path)
         groups = initialize_model_parallel(cfg.actor.parallel, seed=cfg.actor.seed)
-        # Objects (the batch, decisions) travel over a CPU group even when the actor uses NCCL.
-        world = groups.world_group
-        self.cpu_group = world if dist.get_backend(world) == "gloo" else dist.new_group(backend="gloo")
+        # Objects (the batch, decisions) travel over a CPU group of their own, even when the actor uses
+        # gloo: its timeout (trainer.cpu_group_timeout_minutes) covers rank 0's rollout, eval and saves.
+        self.cpu_group = dist.new_group(backend="gloo",
+                                        timeout=timedelta(minutes=cfg.trainer.cpu_group_timeout_minutes))
         resume_from = run_state.resume_checkpoint(self.output_dir, group=self.cpu_group) if cfg.trainer.resume else None
         state: dict[str, Any] = {}
         if resume_from is not None:
