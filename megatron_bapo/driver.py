@@ -165,8 +165,16 @@ class Driver:
             yield session
         self.producer.publish(version)
 
+    def begin_stop(self) -> None:
+        """The run is ending (called from the SIGTERM handler, before the teardown): every call to the
+        servers from now on is one short attempt, never a retry against a dead port."""
+        for client in (self.client, self.pool.client if self.pool is not None else None):  # pool's: while starting
+            if client is not None:
+                client.stopping = True
+
     def close(self) -> None:
         """Stop producing, leave the weight group, stop the servers (by PID), close the writer."""
+        self.begin_stop()
         if self.producer is not None:
             self.producer.stop()
         if self.delivery is not None:
@@ -275,6 +283,9 @@ class Follower:
 
     def evaluate(self, step: int) -> dict[str, float]:
         return {}
+
+    def begin_stop(self) -> None:
+        return None
 
     def close(self) -> None:
         return None

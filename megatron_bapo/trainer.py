@@ -128,6 +128,7 @@ class Trainer:
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_term(signum, frame):
+            self.driver.begin_stop()  # the teardown below makes one short attempt per call
             total = self.config.trainer.total_steps
             where = (f"the newest checkpoint, {self.checkpoint.name} ({self.checkpoint})" if self.checkpoint is not None
                      else f"the newest complete checkpoint in {self.output_dir / 'checkpoints'} (this run saved none "
