@@ -291,20 +291,33 @@ def save_failure(ckpt_dir: Path, exc: BaseException, *, kept: Optional[Path]) ->
         return None
     ckpt_dir = Path(ckpt_dir)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
-    probe = ckpt_dir
+    free = free_bytes(ckpt_dir)
+    return CheckpointError(f"saving checkpoint {ckpt_dir} failed: {cause}; {free} bytes ({free / 2**20:.1f} MiB) are "
+                           f"free there after removing the partial save; {resume_point(kept, ckpt_dir.parent)}. Free "
+                           f"disk space (or lower trainer.keep_checkpoints) and rerun with --resume")
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free on the filesystem of `path` (or of its nearest existing parent)."""
+    probe = Path(path)
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    what = (f"the newest complete checkpoint {kept} is kept, and --resume continues from it" if kept is not None
-            else "this run has no complete checkpoint yet (--resume takes the newest complete one in "
-                 f"{ckpt_dir.parent}, or starts from model.hf_path)")
-    return CheckpointError(f"saving checkpoint {ckpt_dir} failed: {cause}; {free} bytes ({free / 2**20:.1f} MiB) are "
-                           f"free there after removing the partial save; {what}. Free disk space (or lower "
-                           f"trainer.keep_checkpoints) and rerun with --resume")
+    return shutil.disk_usage(probe).free
 
 
-_TORCH_WRITE_FAILURES = ("unexpected pos", "iostream error", "PytorchStreamWriter failed writing")
-"""How torch's file writers word a failed write (a full disk, a quota), without the errno."""
+def resume_point(kept: Optional[Path], checkpoints: Path) -> str:
+    """Where `--resume` continues after a failure that left `kept` the newest complete checkpoint."""
+    if kept is not None:
+        return f"the newest complete checkpoint {kept} is kept, and --resume continues from it"
+    return (f"this run has no complete checkpoint yet (--resume takes the newest complete one in {checkpoints}, "
+            f"or starts from model.hf_path)")
+
+
+_TORCH_WRITE_FAILURES = ("unexpected pos", "iostream error", "PytorchStreamWriter failed writing",
+                         "No space left on device", "Disk quota exceeded", "StorageFull")
+"""How torch's and safetensors' file writers word a failed write (a full disk, a quota), without an
+OSError (safetensors: `SafetensorError: Error while serializing: IoError(Os { code: 28, kind:
+StorageFull, message: "No space left on device" })`)."""
 
 
 def write_failure_of(exc: BaseException) -> Optional[str]:
@@ -324,7 +337,7 @@ def write_failure_of(exc: BaseException) -> Optional[str]:
         marker = next((m for m in _TORCH_WRITE_FAILURES if m in text), None)
         if marker is not None:
             line = text[text.find(marker):].splitlines()[0][:80]
-            return f"torch's file writer failed ({line})"
+            return f"the file writer failed ({line})"
         todo += [e.__cause__, e.__context__]
         failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
         if isinstance(failures, dict):  # rank -> exception, or (exception, traceback)

@@ -102,13 +102,14 @@ def _train(config: "RunConfig", args: argparse.Namespace, rank: int, lock: Optio
     from megatron_bapo.rewards import RewardSpecError
     from megatron_bapo.rollout.errors import RolloutError
     from megatron_bapo.run_state import CheckpointError
+    from megatron_bapo.sync.export import ExportWriteError
     from megatron_bapo.trainer import Terminated, Trainer
 
     # Errors that name their fix are one line (the traceback in the log file at DEBUG); anything else
     # is a bug and keeps its traceback.
     kinds = {ConfigError: "config error", RewardSpecError: "config error", CheckpointError: "checkpoint error",
              RewardFailure: "reward error", RolloutError: "rollout error", NoProgressError: "progress error",
-             SkippedStepsError: "training error"}
+             SkippedStepsError: "training error", ExportWriteError: "sync error"}
     started = time.monotonic()
     try:
         history = Trainer(config).run()

@@ -227,9 +227,17 @@ class Trainer:
 
     def sync_weights(self, version: int) -> None:
         """Push the actor's weights to every server as `version`: every rank exports (gathers, writes
-        or buckets), rank 0's driver delivers (pause, update session, flush, restarts, version)."""
-        with self.driver.weight_update(version) as sink:
-            self.export.run(version, sink)
+        or buckets), rank 0's driver delivers (pause, update session, flush, restarts, version). A
+        version the disk export cannot write (a full disk) stops the run in one line, like a save."""
+        from megatron_bapo.sync.export import ExportWriteError
+
+        try:
+            with self.driver.weight_update(version) as sink:
+                self.export.run(version, sink)
+        except ExportWriteError as exc:  # every rank raises it; a full disk during a save is handled alike
+            where = run_state.resume_point(self.checkpoint, self.output_dir / "checkpoints")
+            raise ExportWriteError(f"{exc}; {where}. Free disk space (or lower sync.keep_versions) and rerun "
+                                   f"with --resume") from exc
 
     def save_checkpoint(self) -> None:
         """Actor (every rank), then rank 0's trainer state and manifest. A filesystem error (a full

@@ -133,3 +133,44 @@ def test_sigterm_while_retrying_behind_the_router_stops_in_seconds(assets, tmp_p
         router.terminate()
         router.wait(timeout=30)
     _check_stopped(log, seconds)
+
+
+def test_disk_full_during_the_weight_export_is_one_line_and_keeps_the_checkpoint(assets, tmp_path):
+    """`hf_sync/` (a 64 MiB tmpfs of its own, mounted in a user namespace) fills up after the first
+    versions are written: the next export fails with one line naming the version's path, the bytes
+    free and where `--resume` continues; no partial version is left; the checkpoint is intact and a
+    resume from it works (it used to end in a SafetensorError traceback, exit 1)."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs `unshare -rm` (user namespaces) to mount a small filesystem for the run")
+    out = tmp_path / "run"
+    sync = out / "hf_sync"
+    sync.mkdir(parents=True)
+    config = run_config(assets, out, total_steps=8, save_every=2, eval_at_start=False)
+    py, ckpts = sys.executable, out / "checkpoints"
+    script = f"""
+mount -t tmpfs -o size=64m tmpfs {sync}
+{py} -m megatron_bapo.train --config {config} eval.every_n_steps=0 > {tmp_path}/log 2>&1 &
+pid=$!
+while [ ! -f {ckpts}/latest ] && kill -0 $pid 2>/dev/null; do sleep 0.05; done
+dd if=/dev/zero of={sync}/filler bs=1M count=64 2>/dev/null  # another writer fills the disk
+wait $pid; echo $? > {tmp_path}/rc
+(cd {sync} && find . | sort) > {tmp_path}/listing
+"""
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], env=train_env(assets), timeout=600, check=True)
+    log = (tmp_path / "log").read_text()
+    assert (tmp_path / "rc").read_text().strip() == "2", log[-4000:]
+    last = last_line(log)
+    assert re.match(rf"sync error: writing weight version (\d+) to {re.escape(str(sync))}/v0000\d\d failed: .*"
+                    rf"(No space left on device|bytes free while writing).*; \d+ bytes \([\d.]+ MiB\) are free there "
+                    rf"after removing the partial version; the newest complete checkpoint .*step_0000\d\d is kept, "
+                    rf"and --resume continues from it. Free disk space", last), last
+    assert "Traceback" not in log
+    version = re.match(r"sync error: writing weight version (\d+)", last).group(1)
+    listing = (tmp_path / "listing").read_text().split()
+    assert not any(p.endswith(".tmp") or p.startswith(f"./v{int(version):06d}") for p in listing), listing
+    # The checkpoint named is complete, and a resume (on a disk with room) continues from it.
+    kept = re.search(r"the newest complete checkpoint (\S+) is kept", last).group(1)
+    proc = start_train(config, assets, "--resume", "eval.every_n_steps=0", f"trainer.total_steps={int(kept[-2:]) + 1}")
+    resumed = finish(proc)
+    assert proc.returncode == 0, resumed[-3000:]
+    assert f"resuming from {kept}" in resumed, resumed[-3000:]
