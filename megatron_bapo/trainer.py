@@ -171,7 +171,7 @@ class Trainer:
         resume_from = run_state.resume_checkpoint(self.output_dir, group=self.cpu_group) if cfg.trainer.resume else None
         state: dict[str, Any] = {}
         if resume_from is not None:
-            state = run_state.load_trainer_state(resume_from)
+            state = run_state.load_trainer_state(resume_from, full=groups.rank == 0)
             self.step, self.version = int(state["step"]), int(state["version"])
             self.checkpoint = resume_from
             console.info("resuming from %s (step %d of %d)", resume_from, self.step, cfg.trainer.total_steps)
@@ -240,9 +240,10 @@ class Trainer:
                                    f"with --resume") from exc
 
     def save_checkpoint(self) -> None:
-        """Actor (every rank), then rank 0's trainer state and manifest. A filesystem error (a full
-        disk) removes the partial save and stops the run with one line naming the path, the bytes
-        free and the checkpoint that is kept (`run_state.save_failure`)."""
+        """Actor (every rank), rank 0's trainer state, every rank hashes its own files, rank 0 writes the
+        merged manifest and `latest` and deletes old checkpoints in the background. A filesystem error
+        (a full disk) removes the partial save and stops the run with one line naming the path, the
+        bytes free and the checkpoint that is kept (`run_state.save_failure`)."""
         ckpt = run_state.checkpoint_dir(self.output_dir, self.step)
         try:
             self.actor.save_checkpoint(ckpt / "actor")
@@ -255,13 +256,31 @@ class Trainer:
         failed = None
         if self.driver.leads:
             try:
-                run_state.save_trainer_state(ckpt, self.driver.state_dict(self.step, self.version))
+                run_state.write_trainer_state(ckpt, self.driver.state_dict(self.step, self.version))
+            except OSError as exc:
+                failed = str(run_state.save_failure(ckpt, exc, kept=self.checkpoint))
+        failed = self._broadcast(failed)  # every rank stops, or none
+        if failed is not None:
+            raise run_state.CheckpointError(failed)
+        # Every rank hashes the files it wrote (in parallel, from its own page cache); rank 0 merges.
+        try:
+            own: Any = run_state.hash_own_files(ckpt, dist.get_rank(self.cpu_group), dist.get_world_size(self.cpu_group))
+        except OSError as exc:
+            own = f"rank {dist.get_rank(self.cpu_group)} could not hash its files: {exc}"
+        parts: list = [None] * dist.get_world_size(self.cpu_group)
+        dist.all_gather_object(parts, own, group=self.cpu_group)
+        if self.driver.leads:
+            errors = [p for p in parts if isinstance(p, str)]
+            try:
+                if errors:
+                    raise OSError(errors[0])
+                run_state.finish_checkpoint(ckpt, {rel: h for part in parts for rel, h in part.items()})
             except OSError as exc:
                 failed = str(run_state.save_failure(ckpt, exc, kept=self.checkpoint))
             else:
                 run_state.prune_checkpoints(self.output_dir, self.config.trainer.keep_checkpoints)
                 logger.info("checkpoint %s", ckpt)
-        failed = self._broadcast(failed)  # every rank stops, or none
+        failed = self._broadcast(failed)
         if failed is not None:
             raise run_state.CheckpointError(failed)
         self.checkpoint = ckpt
