@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from megatron_bapo.run_lock import LOCK_NAME, LockError, RunLock
 from run_helpers import finish, last_line, run_config, start_train, write_assets
 
 pytestmark = pytest.mark.slow
+LOCK_NAME = "run.lock"  # megatron_bapo.run_lock.LOCK_NAME (spelt out: the CLI tests need no import of it)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,8 @@ def test_a_dead_runs_lock_is_taken_over_with_one_line(assets, tmp_path):
 def test_lock_of_a_live_process_is_kept_and_a_reused_pid_is_not_mistaken_for_it(tmp_path):
     """Unit: a holder that runs keeps its lock (this process, as another starter sees it); a lock
     whose pid now names another process (the recorded start time differs) is stale."""
+    from megatron_bapo.run_lock import LockError, RunLock
+
     held = RunLock.acquire(tmp_path)
     try:
         with pytest.raises(LockError, match=f"pid {os.getpid()}"):

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from megatron_bapo.metrics import read_jsonl_metrics
-from megatron_bapo.resume_policy import POLICY, REFUSED, leaf_fields, resume_table
 from run_helpers import finish, last_line, run_config, start_train, write_assets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,6 +83,8 @@ def test_another_model_of_the_same_shapes_and_an_unhonourable_setting_are_refuse
 
 
 def test_every_config_field_has_a_resume_policy_and_docs_show_the_table():
+    from megatron_bapo.resume_policy import POLICY, REFUSED, leaf_fields, resume_table
+
     fields = list(leaf_fields())
     missing = [f for f in fields if f not in POLICY]
     assert not missing, f"add these fields to megatron_bapo/resume_policy.py POLICY: {missing}"
