@@ -226,8 +226,9 @@ class Driver:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, step: int, version: int) -> dict[str, Any]:
-        """Everything rank 0 needs to resume: taken with the producer paused between rounds."""
-        self.producer.pause()
+        """Everything rank 0 needs to resume: taken with the producer paused between rounds; the round in
+        flight (rollout ahead of training) is aborted with its tokens kept, not drained."""
+        self.producer.pause(abort=True)
         try:
             return {"step": step, "version": version, "data": self.dataset.state_dict(),
                     "rollout": self.producer.manager.state_dict(), "rounds": self.producer.state_dict(),

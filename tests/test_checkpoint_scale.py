@@ -9,6 +9,8 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from megatron_bapo import manifest, run_state, state_io
 from megatron_bapo.rollout.types import Prompt, RolloutGroup, Sample, SampleState
 
@@ -114,3 +116,50 @@ def test_old_checkpoints_are_deleted_in_the_background(tmp_path):
     # ... and once the thread is done, nothing of them is left.
     assert list((tmp_path / "checkpoints" / run_state.DELETING).iterdir()) == []
     assert run_state.latest_checkpoint(tmp_path) == run_state.checkpoint_dir(tmp_path, 3)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_aborts_the_round_in_flight_and_keeps_its_tokens(tiny_hf_dir, tmp_path):
+    """Rollout one round ahead, each response 400 tokens in one segment: the checkpoint's pause does not
+    wait for the round to finish. Its requests are aborted; every response keeps the tokens it has
+    (ABORTED, a partial rollout the next round resumes), none is lost."""
+    import time
+    import urllib.request
+
+    from megatron_bapo.rollout import PartialRolloutConfig, PartialRolloutManager, RolloutClient, RolloutClientConfig
+    from megatron_bapo.rollout.config import SamplingConfig
+    from megatron_bapo.rollout.producer import RolloutProducer
+    from megatron_bapo.server.launch import start_server
+
+    server = start_server(tiny_hf_dir, log_path=tmp_path / "server.log")
+    client = RolloutClient(RolloutClientConfig(urls=[server.url]))
+    try:
+        config = PartialRolloutConfig(group_size=4, max_response_tokens=400, segment_tokens=400, max_staleness=None,
+                                      sampling=SamplingConfig(ignore_eos=True))
+        manager = PartialRolloutManager(client, config)
+        prompts = [Prompt(prompt_ids=[5 + i, 6, 7], index=i) for i in range(4)]
+        producer = RolloutProducer(client, manager, lambda: prompts, ahead=1, served_version=lambda: 0)
+        producer.start()
+
+        def generated() -> int:
+            load = json.loads(urllib.request.urlopen(server.url + "/get_load", timeout=10).read())["loads"][0]
+            return load["num_used_tokens"] - 3 * load["num_running_reqs"]
+
+        deadline = time.monotonic() + 120
+        while generated() < 16 * 5:  # every request runs and has some tokens
+            assert time.monotonic() < deadline, "the round did not start"
+            time.sleep(0.05)
+        producer.pause(abort=True)
+        samples = [s for g in manager.buffer for s in g.samples]
+        assert len(samples) == 16, "a response was lost"
+        assert all(s.state == SampleState.ABORTED and 0 < len(s.response_ids) < 400 for s in samples), \
+            [(s.state, len(s.response_ids)) for s in samples]
+        kept = sum(len(s.response_ids) for s in samples)
+        assert kept >= 16 * 5
+        state = manager.state_dict()  # what the checkpoint saves: the partial tokens with their log-probs
+        assert sum(len(s["response_ids"]) for g in state["groups"] for s in g["samples"]) == kept
+        assert not producer.state_dict()["ready"][0]["groups"]  # the aborted round finished no group
+    finally:
+        producer.stop()
+        client.close()
+        server.stop()

@@ -208,6 +208,27 @@ class ControlMixin:
         await self._each_or_raise("init_weights_update_group", lambda u: self._expect_success(
             u, "/init_weights_update_group", bodies[u], retry=False, timeout=timeout))
 
+    async def aclear_weight_group(self, group_name: str) -> dict[str, list[str]]:
+        """End an open weight-update session and destroy the weight group `group_name` on every worker,
+        one attempt each; returns what each worker held ([] for a clean one, which answers both calls
+        with an error: nothing open). A server outlives a trainer that died (SIGKILL, a node lost): it
+        keeps the dead trainer's group (and its session, when killed mid-update), and a new trainer's
+        join under the same name is refused (`group ... already exists`) until that group is destroyed."""
+        async def one(url: str) -> list[str]:
+            held = []
+            for path, body, what in (("/end_weight_update", {}, "an open weight-update session"),
+                                     ("/destroy_weights_update_group", {"group_name": group_name},
+                                      f"the weight group {group_name!r}")):
+                status, text = await self._request("POST", url, path, body, retry=False)
+                try:
+                    ok = status == 200 and json.loads(text or "{}").get("success", True) is not False
+                except ValueError:
+                    ok = False
+                if ok:
+                    held.append(what)
+            return held
+        return await self._each_or_raise("clearing the weight group", one)
+
     async def adestroy_weights_update_group(self, group_name: str) -> None:
         await self._each_or_raise("destroy_weights_update_group", lambda u: self._expect_success(
             u, "/destroy_weights_update_group", {"group_name": group_name}, timeout=60))
