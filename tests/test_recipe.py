@@ -159,14 +159,23 @@ RECIPE = dict(
 )
 
 
-def test_recipe_rehearsal_8_ranks_equals_one_process(assets, tmp_path):
+@pytest.fixture(scope="module")
+def rehearsal(assets, tmp_path_factory):
+    """The recipe's knobs on one process and on 8 ranks (the 8 checkpoint at step 2): (root, one, eight)."""
+    root = tmp_path_factory.mktemp("rehearsal")
     sync = {"method": "distributed", "backend": "gloo"}
     # sync.master_port 0 (the default): rank 0 binds a free port itself. A port picked here could be taken by
     # the eight ranks' own gloo connections before the group binds it (EADDRINUSE, seen in CI).
-    layout = ("actor.parallel.tp=2", "actor.parallel.sequence_parallel=true", "actor.parallel.pp=2",
-              "actor.parallel.cp=2")
-    one = _run(_config(assets, tmp_path / "single", **RECIPE, sync=sync), 1)
-    eight = _run(_config(assets, tmp_path / "eight", **RECIPE, sync=sync), 8, *layout, "trainer.save_every=2")
+    one = _run(_config(assets, root / "single", **RECIPE, sync=sync), 1)
+    eight = _run(_config(assets, root / "eight", **RECIPE, sync=sync), 8, *EIGHT, "trainer.save_every=2")
+    return root, one, eight
+
+
+EIGHT = ("actor.parallel.tp=2", "actor.parallel.sequence_parallel=true", "actor.parallel.pp=2", "actor.parallel.cp=2")
+
+
+def test_recipe_rehearsal_8_ranks_equals_one_process(rehearsal):
+    _, one, eight = rehearsal
     updates = [m for m in one if "actor/loss" in m]
     assert len(updates) >= 2 and any(m["staleness/max"] > 0 for m in updates)  # partial rollout spanned updates
     assert all(m["actor/loss"] != 0 and m["actor/grad_norm"] > 0 for m in updates)  # real updates compared
@@ -179,17 +188,27 @@ def test_recipe_rehearsal_8_ranks_equals_one_process(assets, tmp_path):
                     "actor/num_loss_tokens", "bapo/c_low", "bapo/c_high", "staleness/mean"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
-    # Resumed from the 8 ranks' step-2 checkpoint (hashed by every rank, the buffer in binary, verified in
-    # parallel), step 3 equals the uninterrupted run's: model, optimizer, RNG, buffer and data position.
-    resumed_dir = tmp_path / "eight_resumed"
-    shutil.copytree(tmp_path / "eight", resumed_dir)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "found by this test, on main at 1b21a04 too (same numbers): after resuming the 8-rank layout (TP2+SP, PP2, CP2, "
+    "tied embeddings, distributed gloo sync) the servers' log-probs no longer match the trainer's at lag 0 "
+    "(mismatch/kl_k3 0.069 vs 6e-14 uninterrupted), so step 3 differs; the one-process resume is exact "
+    "(test_run_failures.py). strict: remove this mark when it passes"))
+def test_recipe_rehearsal_resumed_equals_uninterrupted(rehearsal, assets):
+    """Resumed from the 8 ranks' step-2 checkpoint (hashed by every rank, the buffer in binary, verified in
+    parallel), step 3 equals the uninterrupted run's: model, optimizer, RNG, buffer and data position."""
+    root, _, eight = rehearsal
+    sync = {"method": "distributed", "backend": "gloo"}
+    resumed_dir = root / "eight_resumed"
+    shutil.copytree(root / "eight", resumed_dir)
     shutil.rmtree(resumed_dir / "checkpoints" / "step_000003")
-    resumed = _run(_config(assets, resumed_dir, **RECIPE, sync=sync), 8, *layout, resume=True)
+    resumed = _run(_config(assets, resumed_dir, **RECIPE, sync=sync), 8, *EIGHT, resume=True)
     [a] = [m for m in eight if m["step"] == 3]
     [b] = [m for m in resumed if m["step"] == 3]
     assert a["rollout/num_tokens_generated"] == b["rollout/num_tokens_generated"]
-    for key in ("actor/loss", "actor/kl_k1", "actor/entropy", "actor/ratio_mean", "actor/grad_norm", "actor/lr",
-                "actor/num_loss_tokens", "bapo/c_low", "bapo/c_high", "staleness/mean", "train/version"):
+    for key in ("mismatch/kl_k3", "actor/loss", "actor/kl_k1", "actor/entropy", "actor/ratio_mean", "actor/grad_norm",
+                "actor/lr", "actor/num_loss_tokens", "bapo/c_low", "bapo/c_high", "staleness/mean", "train/version"):
         assert (key in a) == (key in b), key
         if key in a:
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
