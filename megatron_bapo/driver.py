@@ -172,8 +172,16 @@ class Driver:
         with self.pool.update(version) as session:
             yield session
 
+    def begin_stop(self) -> None:
+        """The run is ending (called from the SIGTERM handler, before the teardown): every call to the
+        servers from now on is one short attempt, never a retry against a dead port."""
+        for client in (self.client, self.pool.client if self.pool is not None else None):  # pool's: while starting
+            if client is not None:
+                client.stopping = True
+
     def close(self) -> None:
         """Stop producing, leave the weight group, stop the servers (by PID), close the writer."""
+        self.begin_stop()
         if self.producer is not None:
             self.producer.stop()
         if self.agent is not None:
@@ -233,8 +241,9 @@ class Driver:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, step: int, version: int) -> dict[str, Any]:
-        """Everything rank 0 needs to resume: taken with the producer paused between rounds."""
-        self.producer.pause()
+        """Everything rank 0 needs to resume: taken with the producer paused between rounds; the round in
+        flight (rollout ahead of training) is aborted with its tokens kept, not drained."""
+        self.producer.pause(abort=True)
         try:
             return {"step": step, "version": version, "data": self.dataset.state_dict(),
                     "rollout": self.producer.manager.state_dict(), "rounds": self.producer.state_dict(),
@@ -271,6 +280,9 @@ class Follower:
 
     def evaluate(self, step: int) -> dict[str, float]:
         return {}
+
+    def begin_stop(self) -> None:
+        return None
 
     def close(self) -> None:
         return None
