@@ -58,6 +58,14 @@ def flaky(expression: str):
     return calculator(expression)
 
 
+def slow(expression: str, *, marker: str):
+    """Say it started (the file `marker`), then take a second and a half to compute."""
+    open(marker, "w").write("started")
+    time.sleep(1.5)
+    from megatron_bapo.rollout.tools.calculator import calculator
+    return calculator(expression)
+
+
 def pid(expression: str):
     time.sleep(0.5)  # long enough for concurrent calls to overlap
     return str(os.getpid())

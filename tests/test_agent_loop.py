@@ -289,3 +289,34 @@ def test_evaluate_tool_takes_the_agent_section_of_a_run_config(serve, tiny_hf_di
     assert "tool_call_rate" in capsys.readouterr().out
     assert main(["--model-path", str(tiny_hf_dir), "--data", str(data), "--agent-config",
                  "examples/configs/tiny_bapo.yaml"]) == 2  # no tools there: one line, exit 2
+
+
+def test_an_abort_while_a_tool_runs_ends_the_round_and_the_next_resumes_it(serve, agents, tmp_path, monkeypatch):
+    """A checkpoint (or a weight update's pause) aborts the round in flight: a sample whose tool is
+    running keeps the result and sends no new turn until the next round, which finishes it as an
+    uninterrupted round would have."""
+    import time
+
+    module = write_plugins(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + ":" + ":".join(sys.path))
+    marker = tmp_path / "started"
+    srv, client = serve(calculator_user())
+    agent = agents(tools=[ToolConfig("calculator", f"{module}:slow", {"marker": str(marker)})])
+    prompts = [Prompt(prompt_ids(TOK, "21*2"), answer="42", index=0)]
+    whole = manager(client, agent, group_size=1).step(prompts, 0).groups[0].samples[0]
+    marker.unlink()
+    m = manager(client, agent, group_size=1)
+    future = client.submit(m.astep(prompts, 0))
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:  # the tool is running now
+        time.sleep(0.01)
+    sent = len(srv.server.requests)
+    client.abort_all()
+    first = future.result(60)
+    assert first.groups == [] and len(srv.server.requests) == sent  # no next turn was sent after the abort
+    (s,) = m.buffer[0].samples
+    assert s.state is SampleState.ABORTED and decoded_spans(TOK, s) == ["<tool_response>42</tool_response>"]
+    (group,) = m.step([], 0).groups
+    assert (group.samples[0].response_ids, group.samples[0].response_logprobs) == (whole.response_ids,
+                                                                                   whole.response_logprobs)

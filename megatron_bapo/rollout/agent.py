@@ -19,7 +19,10 @@ sample holds is JSON-safe state, checkpointed with the buffer, so a resumed run 
 
 A request comes back as a finished turn when the server stopped on a stop token or string, or when
 its last token is one of the turn's stop ids even though the budget ended on it (SGLang reports
-"length" then: the length check comes first).
+"length" then: the length check comes first). An abort (`client.abort_all`: a checkpoint or a
+weight update pausing the round) ends a sample's round as it ends a segment: a turn in flight comes
+back with its tokens, and a sample whose tool was running keeps the result and sends its next turn
+in the next round (state ABORTED, resumed).
 """
 
 from __future__ import annotations
@@ -106,6 +109,9 @@ class TurnIO(Protocol):
     def room(self) -> int:
         """Tokens the sample may still add (response budget, context)."""
 
+    def aborted(self) -> bool:
+        """Whether the round was aborted since it began (`client.abort_all`)."""
+
 
 class AgentLoop:
     """Advances multi-turn samples; stateless between calls (rollout and evaluation share one)."""
@@ -146,6 +152,9 @@ class AgentLoop:
         if st.pending and not await self._run_tools(s, io, step):
             return
         while True:
+            if io.aborted():  # aborted while a tool ran: the next turn is sent in the next round
+                s.state = SampleState.ABORTED
+                return
             n = min(budget, io.room())
             if n <= 0:
                 if io.room() > 0:

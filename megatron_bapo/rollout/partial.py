@@ -305,6 +305,7 @@ class _Turn:
                  version: int, step: dict[str, int]) -> None:
         self.manager, self.group, self.index, self.sample, self.version, self.step = (
             manager, group, index, sample, version, step)
+        self.epoch = manager.client.abort_epoch
 
     async def generate(self, max_new_tokens: int) -> GenerateResult:
         """Sample up to `max_new_tokens` after everything the sample holds; the tokens are recorded."""
@@ -316,6 +317,10 @@ class _Turn:
     def room(self) -> int:
         """Tokens the sample may still add before max_response_tokens / the context is reached."""
         return self.manager._room(self.sample)
+
+    def aborted(self) -> bool:
+        """Whether `abort_all` came since the round began (a checkpoint's or a weight update's pause)."""
+        return self.manager.client.abort_epoch != self.epoch
 
 
 def _append_routing(s: Sample, res: GenerateResult) -> None:
