@@ -30,6 +30,11 @@ not to open new groups while older ones wait unstarted, so the buffer stays boun
 A segment whose request failed on every server leaves its sample as it was (nothing lost) and the
 step raises RolloutError after recording the segments that did succeed. `state_dict()` is
 JSON-safe and restores the buffer exactly.
+
+Multi-turn samples (`agent`, a `rollout.agent.AgentLoop`): a sample's round is then the agent loop's
+`advance` instead of one segment: model turns and tool calls alternate within the round's token
+budget (`segment_tokens` of sampled tokens), each request through `_Turn` (the same seeds, routing,
+version labels and finish states as a single-turn segment). Staleness counts sampled tokens only.
 """
 
 from __future__ import annotations
@@ -39,12 +44,15 @@ import hashlib
 import logging
 import time
 import uuid
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from megatron_bapo.rollout.client import RolloutClient
 from megatron_bapo.rollout.config import PartialRolloutConfig
 from megatron_bapo.rollout.errors import ProtocolError, RequestRejected, RolloutError
 from megatron_bapo.rollout.types import GenerateResult, Prompt, RolloutGroup, RolloutRound, Sample, SampleState
+
+if TYPE_CHECKING:
+    from megatron_bapo.rollout.agent import AgentLoop
 
 logger = logging.getLogger(__name__)
 STATE_FORMAT = 1
@@ -56,18 +64,22 @@ _COUNTERS = ("num_groups_started", "num_groups_finished", "num_groups_failed", "
 class PartialRolloutManager:
     """Owns the partial-rollout buffer; the trainer calls `step` once per RL step."""
 
-    def __init__(self, client: RolloutClient, config: PartialRolloutConfig, *, seed: Optional[int] = None) -> None:
+    def __init__(self, client: RolloutClient, config: PartialRolloutConfig, *, seed: Optional[int] = None,
+                 agent: Optional["AgentLoop"] = None) -> None:
         """`seed`: when set, every segment request carries its own `sampling_seed`, derived from
         (seed, the group's prompt index and start version, the sample's index in the group, the
         tokens it has so far, its regenerations), so a run samples the same responses whatever
         order its requests reach the servers in, and a resumed run samples as the uninterrupted one
         would. Set it only for servers that honour seeds (SGLang: `--enable-deterministic-inference`;
-        the driver passes it when `rollout.deterministic_inference`). None: the servers' own generators."""
+        the driver passes it when `rollout.deterministic_inference`). None: the servers' own generators.
+        `agent`: run multi-turn, tool-calling samples (module docstring); None: one segment per round."""
         self.client = client
         self.config = config
         self.seed = seed
+        self.agent = agent
+        self.counters = _COUNTERS + (agent.COUNTERS if agent is not None else ())
         self.buffer: list[RolloutGroup] = []
-        self.totals: dict[str, int] = {k: 0 for k in _COUNTERS}
+        self.totals: dict[str, int] = {k: 0 for k in self.counters}
         """Counters since the run started (checkpointed); each round's own are in its metrics."""
         self._warned_version = False
 
@@ -85,7 +97,7 @@ class PartialRolloutManager:
         staleness cap and for tokens whose reply carried no integer weight_version.
         """
         started = time.monotonic()
-        step = {k: 0 for k in _COUNTERS}
+        step = {k: 0 for k in self.counters}
         bad_replies = self.client.stats.get("num_bad_replies", 0)
         for p in prompts:
             if not p.prompt_ids:
@@ -100,7 +112,7 @@ class PartialRolloutManager:
         rejections: list[str] = []
         for _ in range(self.config.num_segments + 1):  # a group needs at most num_segments segments
             cuts = self.client.stats.get("num_abort_pauses", 0)
-            await self._advance(version, step, errors, rejections)
+            await self._advance_buffer(version, step, errors, rejections)
             # A sync's "abort" pause ends the round at once when it has a group to train; when it
             # cut the round before any group finished, the round goes on (its samples continue on the
             # new weights after continue, the segments the pause kept them from sent now) until one
@@ -134,17 +146,18 @@ class PartialRolloutManager:
                                f"buffered for the next step: {first}") from errors[0]
         return RolloutRound(prompts=list(prompts), groups=finished, metrics=metrics, rejections=rejections)
 
-    async def _advance(self, version: int, step: dict[str, int], errors: list[BaseException],
-                       rejections: list[str]) -> None:
-        """One segment for every unfinished sample of the buffer (groups past the hard cap reset first)."""
-        jobs: list[tuple[Sample, Optional[int]]] = []
+    async def _advance_buffer(self, version: int, step: dict[str, int], errors: list[BaseException],
+                              rejections: list[str]) -> None:
+        """One segment (or agent round) for every unfinished sample of the buffer (groups past the
+        hard cap reset first)."""
+        jobs: list[tuple[RolloutGroup, int, Sample]] = []
         for group in self.buffer:
             # The hard cap covers finished samples waiting for their siblings too, and the whole group
             # restarts together, so its samples stay in step (they would otherwise reset each other).
             if any(s.state is not SampleState.FAILED and self._too_stale(s, version) for s in group.samples):
                 for s in group.samples:
                     if s.state is not SampleState.FAILED and s.response_ids:
-                        step["num_regenerated_tokens"] += len(s.response_ids)
+                        step["num_regenerated_tokens"] += len(s.model_versions)  # sampled tokens only
                         s.reset()
                         s.num_regenerations += 1
                         step["num_regenerated"] += 1
@@ -154,21 +167,36 @@ class PartialRolloutManager:
                 if self._budget(s) <= 0:
                     s.state = SampleState.TRUNCATED
                     continue
-                jobs.append((s, self._request_seed(group, j, s)))
+                jobs.append((group, j, s))
 
-        results = await asyncio.gather(*(self._segment(s, seed) for s, seed in jobs), return_exceptions=True)
-        for (s, _), res in zip(jobs, results):
+        results = await asyncio.gather(*(self._advance(g, j, s, version, step) for g, j, s in jobs),
+                                       return_exceptions=True)
+        for (_, _, s), res in zip(jobs, results):
             if isinstance(res, RequestRejected):
                 s.state, s.error = SampleState.FAILED, str(res)
                 rejections.append(str(res))
             elif isinstance(res, BaseException):
-                errors.append(res)  # the sample keeps its previous state and is retried next step
-            else:
-                self._apply(s, res, version, step)
+                errors.append(res)  # the sample keeps what it had recorded and is resumed next step
+
+    async def _advance(self, group: RolloutGroup, index: int, s: Sample, version: int, step: dict[str, int]) -> None:
+        """The sample's work of this round: one segment, or the agent loop's turns and tool calls."""
+        if self.agent is not None:
+            await self.agent.advance(s, _Turn(self, group, index, s, version, step), self.config.segment_budget, step)
+            return
+        res = await self._segment(s, self._request_seed(group, index, s))
+        self._apply(s, res, version, step)
 
     def _too_stale(self, s: Sample, version: int) -> bool:
         cap = self.config.group_staleness_cap
-        return cap is not None and bool(s.response_versions) and int(version) - min(s.response_versions) > cap
+        versions = s.model_versions  # a tool's tokens have no version
+        return cap is not None and bool(versions) and int(version) - min(versions) > cap
+
+    def _room(self, s: Sample) -> int:
+        """Tokens the sample may still add (response and context limits; tool results count)."""
+        room = self.config.max_response_tokens - len(s.response_ids)
+        if self.config.max_context_tokens is not None:
+            room = min(room, self.config.max_context_tokens - len(s.prompt_ids) - len(s.response_ids))
+        return room
 
     async def _fit_concurrency(self) -> None:
         """Size the client's concurrency for this run's requests (the longest prompt buffered); a
@@ -186,10 +214,7 @@ class PartialRolloutManager:
 
     def _budget(self, s: Sample) -> int:
         """max_new_tokens of the sample's next segment (<= 0: no room left, it is truncated)."""
-        budget = min(self.config.segment_budget, self.config.max_response_tokens - len(s.response_ids))
-        if self.config.max_context_tokens is not None:
-            budget = min(budget, self.config.max_context_tokens - len(s.prompt_ids) - len(s.response_ids))
-        return budget
+        return min(self.config.segment_budget, self._room(s))
 
     def _request_seed(self, group: RolloutGroup, index: int, s: Sample) -> Optional[int]:
         """The segment's `sampling_seed`, or None for the server's generator (see __init__)."""
@@ -198,8 +223,10 @@ class PartialRolloutManager:
         key = f"{self.seed}:{group.prompt.index}:{group.start_version}:{index}:{len(s.response_ids)}:{s.num_regenerations}"
         return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
-    async def _segment(self, s: Sample, seed: Optional[int] = None) -> GenerateResult:
-        params = {**self.config.sampling.to_params(), "max_new_tokens": self._budget(s)}
+    async def _segment(self, s: Sample, seed: Optional[int] = None, max_new_tokens: Optional[int] = None) -> GenerateResult:
+        params = {**self.config.sampling.to_params(), "max_new_tokens": max_new_tokens or self._budget(s)}
+        if self.agent is not None:
+            params = self.agent.request_params(params)
         if seed is not None:
             params["sampling_seed"] = seed
         if not self.config.return_routed_experts:
@@ -213,8 +240,9 @@ class PartialRolloutManager:
                                f"with --enable-return-routed-experts")
         return res
 
-    def _apply(self, s: Sample, res: GenerateResult, version: int, step: dict[str, int]) -> None:
-        requested = self._budget(s)
+    def _apply(self, s: Sample, res: GenerateResult, version: int, step: dict[str, int],
+               requested: Optional[int] = None) -> None:
+        requested = requested or self._budget(s)
         if any(v is None for v in res.versions) and not self._warned_version:
             logger.warning("server %s reports a non-integer weight_version; tokens are labelled with the "
                            "trainer's version %d (call update_weights_from_disk with an int version first)",
@@ -253,12 +281,14 @@ class PartialRolloutManager:
 
     def _metrics(self, step: dict[str, int], finished: list[RolloutGroup], seconds: float) -> dict[str, float]:
         samples = [s for g in finished for s in g.samples]
-        out = {f"rollout/{k}": float(v) for k, v in step.items()}
+        out = {f"rollout/{k}": float(v) for k, v in step.items() if k in _COUNTERS}
         out["rollout/buffer_groups"] = float(len(self.buffer))
         out["rollout/buffer_samples_partial"] = float(sum(
             1 for g in self.buffer for s in g.samples if s.state in (SampleState.PARTIAL, SampleState.ABORTED)))
         out["rollout/step_s"] = seconds
         out["rollout/tokens_per_s"] = step["num_tokens_generated"] / seconds if seconds > 0 else 0.0
+        if self.agent is not None:
+            out.update(self.agent.metrics(step, samples))
         if samples:
             lengths = [s.response_length for s in samples]
             out["rollout/response_len_mean"] = sum(lengths) / len(lengths)
@@ -280,7 +310,34 @@ class PartialRolloutManager:
             raise ValueError(f"partial-rollout state has groups of another size than "
                              f"PartialRolloutConfig.group_size={self.config.group_size}: {bad[:3]}")
         self.buffer = groups
-        self.totals = {k: int(state.get("totals", {}).get(k, 0)) for k in _COUNTERS}
+        self.totals = {k: int(state.get("totals", {}).get(k, 0)) for k in self.counters}
+
+
+class _Turn:
+    """One sample's requests in this round, as the agent loop makes them (`AgentLoop.advance`): each
+    `generate` is a segment of the single-turn path (its seed, routing, version labels and finish
+    state), so the loop itself never touches log-probs or versions."""
+
+    def __init__(self, manager: PartialRolloutManager, group: RolloutGroup, index: int, sample: Sample,
+                 version: int, step: dict[str, int]) -> None:
+        self.manager, self.group, self.index, self.sample, self.version, self.step = (
+            manager, group, index, sample, version, step)
+        self.epoch = manager.client.abort_epoch
+
+    async def generate(self, max_new_tokens: int) -> GenerateResult:
+        """Sample up to `max_new_tokens` after everything the sample holds; the tokens are recorded."""
+        m, s = self.manager, self.sample
+        res = await m._segment(s, m._request_seed(self.group, self.index, s), max_new_tokens)
+        m._apply(s, res, self.version, self.step, requested=max_new_tokens)
+        return res
+
+    def room(self) -> int:
+        """Tokens the sample may still add before max_response_tokens / the context is reached."""
+        return self.manager._room(self.sample)
+
+    def aborted(self) -> bool:
+        """Whether `abort_all` came since the round began (a checkpoint's or a weight update's pause)."""
+        return self.manager.client.abort_epoch != self.epoch
 
 
 def _append_routing(s: Sample, res: GenerateResult) -> None:
