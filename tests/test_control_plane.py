@@ -109,7 +109,7 @@ def test_concurrency_follows_the_servers_kv_cache(tiny_hf_dir, tmp_path, caplog)
                 manager.step([], 0)
             assert 2 <= proxy.peak_generate <= 9, proxy.peak_generate
             proxy.peak_generate = 0
-            with caplog.at_level(logging.WARNING, logger="megatron_bapo.rollout.client"):
+            with caplog.at_level(logging.WARNING, logger="megatron_bapo.rollout"):
                 with RolloutClient(RolloutClientConfig(urls=[proxy.url], max_concurrency=64)) as client:
                     manager = PartialRolloutManager(client, cfg)
                     manager.step(_prompts(4), 0)

@@ -78,7 +78,7 @@ class _LoopThread:
             self.loop.close()
 
 
-class RolloutClient(ControlMixin):
+class RolloutClient(ControlMixin, concurrency.ConcurrencyMixin):
     """`await client.agenerate(ids, params)` in a loop, or sync control calls from the trainer.
 
     Use as a context manager or call `close()`; `async` users in their own loop call `aclose()`.
@@ -180,55 +180,6 @@ class RolloutClient(ControlMixin):
             state = (session, concurrency.Slots(lambda: self.max_in_flight))
             self._per_loop[loop] = state
         return state
-
-    @property
-    def max_in_flight(self) -> int:
-        """Requests in flight at once over the pool: `max_concurrency` when configured, else the sum
-        of the fitted per-server caps (before a fit: `concurrency.DEFAULT_CAP` per server)."""
-        if self.config.max_concurrency is not None:
-            return int(self.config.max_concurrency)
-        if self.server_caps:
-            return sum(self.server_caps.values())
-        return concurrency.DEFAULT_CAP * max(1, len(self.config.urls))
-
-    async def afit_concurrency(self, tokens_per_request: Optional[int] = None) -> int:
-        """Size the concurrency from every server's `/server_info` for requests holding
-        `tokens_per_request` KV tokens (None: the context length); warns once when a configured
-        `max_concurrency` exceeds what the servers hold. Cheap when nothing changed. Returns
-        `max_in_flight`."""
-        workers = tuple(await self.aworker_urls())
-        key = (workers, tokens_per_request)
-        if key == self._fitted_for:
-            return self.max_in_flight
-        infos = await self.aget_server_info()
-        caps = {u: concurrency.server_cap(infos[u] or {}, tokens_per_request) for u in workers}
-        grew = self.server_caps is None or sum(caps.values()) > sum(self.server_caps.values())
-        self.server_caps, self._fitted_for = caps, key
-        configured = self.config.max_concurrency
-        if configured is not None and configured > sum(caps.values()) and not self._warned_concurrency:
-            logger.warning(concurrency.too_many_message(configured, caps, infos, tokens_per_request))
-            self._warned_concurrency = True
-        logger.info("rollout concurrency %d (%s; ~%s KV tokens per request)", self.max_in_flight,
-                    ", ".join(f"{u}: {c}" for u, c in caps.items()), tokens_per_request or "context length")
-        if grew:
-            await self._session()[1].resized()
-        return self.max_in_flight
-
-    def fit_concurrency(self, tokens_per_request: Optional[int] = None) -> int:
-        return self.run(self.afit_concurrency(tokens_per_request))
-
-    async def _fit_lazily(self) -> None:
-        """A client used alone (no run sizes its requests) fits once, by the context length; servers
-        that cannot be asked keep the default caps (the request's own retries handle them)."""
-        loop = asyncio.get_running_loop()
-        lock = self._fit_locks.setdefault(loop, asyncio.Lock())
-        async with lock:
-            if self.server_caps is not None:
-                return
-            try:
-                await self.afit_concurrency()
-            except RolloutError as exc:
-                logger.debug("cannot size the concurrency from /server_info yet: %s", exc)
 
     async def aclose(self) -> None:
         loop = asyncio.get_running_loop()
