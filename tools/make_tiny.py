@@ -2,7 +2,7 @@
 """Build the tiny default: char-level tokenizer + small Qwen2 model, reversed-digit addition data and an
 SFT warm start, written to OUT/{base_model, data/train.jsonl, data/test.jsonl, info.json}.
 
-    python tools/make_tiny.py --out runs/tiny_assets [--sft-steps N] [--target-accuracy A] [--seed S] [--force]
+    python tools/make_tiny.py --out runs/tiny_assets [--sft-steps N] [--target-accuracy A] [--seed S] [--num-eval N] [--force]
     python tools/make_tiny.py --out runs/tiny_moe_assets --architecture qwen3_moe   # a tiny Qwen3-MoE
     python tools/make_tiny.py --out runs/tiny_tools_assets --task tools   # multiplication with a calculator tool
 
@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop SFT at this greedy validation accuracy (default: SFTConfig.target_accuracy)")
     parser.add_argument("--loop-fraction", type=float, default=None,
                         help="share of SFT examples that loop instead of stopping (default: SFTConfig.loop_fraction)")
+    parser.add_argument("--num-eval", type=int, default=None,
+                        help="problems each evaluation decodes: the base accuracy in info.json and SFT's stopping "
+                             "checks (default: 500 and SFTConfig.num_eval; fewer for a quick smoke build)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--architecture", default=None, choices=["qwen2", "qwen3", "qwen3_moe", "llama"],
                         help="model family (default: qwen2; qwen3_moe: 8 experts, 2 per token)")
@@ -48,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.target_accuracy is not None:
         config.sft = dataclasses.replace(config.sft, target_accuracy=args.target_accuracy)
 
+    if args.num_eval is not None:
+        if args.num_eval < 1:
+            parser.error(f"--num-eval must be >= 1, got {args.num_eval}")
+        config.num_base_eval = args.num_eval
+        config.sft = dataclasses.replace(config.sft, num_eval=args.num_eval)
     if args.loop_fraction is not None:
         config.sft = dataclasses.replace(config.sft, loop_fraction=args.loop_fraction)
 
