@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,17 +79,33 @@ def test_greedy_decoding_matches_hf_generate():
     assert answer_accuracy(model, tok, rows, max_new_tokens=5) == 1.0
 
 
-def test_make_tiny_cli_builds_and_refuses_to_overwrite(tmp_path):
-    out = tmp_path / "tiny"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    cmd = [sys.executable, str(REPO / "tools" / "make_tiny.py"), "--out", str(out), "--sft-steps", "4", "--seed", "3"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+# One small build that two tests share: --num-eval keeps each evaluation to 40 problems (the defaults,
+# 500 and 200, decode for minutes), --sft-steps 4 still ends SFT with an evaluation (one curve point).
+MAKE_TINY_ARGS = ["--sft-steps", "4", "--seed", "3", "--num-eval", "40"]
+
+
+def _make_tiny(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "tools" / "make_tiny.py"), "--out", str(out), *MAKE_TINY_ARGS, *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The make_tiny CLI's output directory (read only: tests that write copy it) and its process."""
+    out = tmp_path_factory.mktemp("make_tiny") / "tiny"
+    proc = _make_tiny(out)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return out, proc
+
+
+def test_make_tiny_cli_builds_and_refuses_to_overwrite(built):
+    out, proc = built
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     info = json.loads((out / "info.json").read_text())
     assert summary["base_accuracy"] == info["base_accuracy"]
     assert info["sft"]["num_steps"] == 4 and info["config"]["seed"] == 3
-    assert 0.0 <= info["base_accuracy"]["greedy"] <= 1.0 and info["base_accuracy"]["num_problems"] == 500
+    assert [c["step"] for c in info["sft"]["curve"]] == [4] and info["config"]["sft"]["num_eval"] == 40
+    assert 0.0 <= info["base_accuracy"]["greedy"] <= 1.0 and info["base_accuracy"]["num_problems"] == 40
     train = (out / "data" / "train.jsonl").read_text().splitlines()
     assert len(train) == 4000 and {"prompt", "answer"} <= set(json.loads(train[0]))
     model = AutoModelForCausalLM.from_pretrained(out / "base_model")
@@ -96,7 +113,7 @@ def test_make_tiny_cli_builds_and_refuses_to_overwrite(tmp_path):
     assert len(AutoTokenizer.from_pretrained(out / "base_model")) == model.config.vocab_size
 
     before = (out / "info.json").read_bytes()
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    again = _make_tiny(out)
     assert again.returncode == 2 and "--force" in again.stderr
     assert (out / "info.json").read_bytes() == before
 
@@ -117,21 +134,28 @@ def test_looped_examples_repeat_the_answer_to_the_limit_without_eos():
     assert arithmetic_reward("21=21=21=21=", "21") == 0.0 and arithmetic_reward("21", "21") == 1.0
 
 
-def test_building_the_tiny_assets_twice_gives_identical_files(tmp_path):
+def _without_timings(value):
+    """info.json less its wall-clock fields (seconds), the only part a rebuild may change."""
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items() if not k.startswith("seconds")}
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    return value
+
+
+def test_building_the_tiny_assets_twice_gives_identical_files(built, tmp_path):
     """The quick start builds its own assets on a fresh clone: the same command must give the same
-    model (byte for byte) and data, or README numbers could not be reproduced."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    model (byte for byte) and data, or README numbers could not be reproduced. (The second build of
+    the shared one: the same command, SFT curve and base accuracy included.)"""
+    first = built[0]
+    proc = _make_tiny(tmp_path / "again")
+    assert proc.returncode == 0, proc.stderr[-2000:]
     digests = []
-    for name in ("a", "b"):
-        cmd = [sys.executable, str(REPO / "tools" / "make_tiny.py"), "--out", str(tmp_path / name),
-               "--sft-steps", "30", "--target-accuracy", "2"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        root = tmp_path / name
+    for root in (first, tmp_path / "again"):
         files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "info.json")
         digests.append({str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files})
-    assert "base_model/model.safetensors" in digests[0]
+    assert "base_model/model.safetensors" in digests[0] and "data/train.jsonl" in digests[0]
     assert digests[0] == digests[1]
-    infos = [json.loads((tmp_path / n / "info.json").read_text()) for n in ("a", "b")]
-    assert infos[0]["base_accuracy"] == infos[1]["base_accuracy"]
-    assert [c["loss"] for c in infos[0]["sft"]["curve"]] == [c["loss"] for c in infos[1]["sft"]["curve"]]
+    infos = [json.loads((root / "info.json").read_text()) for root in (first, tmp_path / "again")]
+    assert infos[0]["sft"]["curve"] and infos[0]["base_accuracy"]["num_problems"] > 0
+    assert _without_timings(infos[0]) == _without_timings(infos[1])
