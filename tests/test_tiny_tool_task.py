@@ -73,11 +73,12 @@ def test_in_process_agent_decode_runs_the_calculator_on_the_models_call(tmp_path
 def test_make_tiny_cli_builds_the_tool_task(tmp_path):
     out = tmp_path / "tools"
     cmd = [sys.executable, str(REPO / "tools" / "make_tiny.py"), "--out", str(out), "--task", "tools",
-           "--sft-steps", "3"]
+           "--sft-steps", "3", "--num-eval", "16"]  # 16 problems per evaluation: the defaults decode for minutes
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     info = json.loads((out / "info.json").read_text())
     assert (info["task"], info["reward"], info["sft"]["num_steps"]) == ("tools", "arithmetic_final", 3)
     assert {"greedy", "sampled_t1", "tool_call_rate_greedy", "tool_call_rate_sampled_t1"} <= set(info["base_accuracy"])
+    assert info["base_accuracy"]["num_problems"] == 16 and [c["step"] for c in info["sft"]["curve"]] == [3]
     assert info["config"]["sft"]["tool_fraction"] == 0.3 and info["config"]["task"]["operation"] == "*"
     assert json.loads((out / "data" / "test.jsonl").read_text().splitlines()[0])["prompt"].count("*") == 1
