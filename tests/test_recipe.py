@@ -2,8 +2,10 @@
 
 1. The first update is on-policy: the trainer recomputes exactly the distribution the built-in
    server sampled from, at temperature 0.6 (softmax(logits / T)), so KL(behavior || current) is ~0
-   and the importance ratio ~1, for one process and for TP 2, TP 2 + SP, PP 2, CP 2 and TP 2 x CP 2.
-   (Before the temperature reached the trainer this KL was ~1e-2 on the same model.) A tiny Qwen3
+   and the importance ratio ~1, for one process and for TP 2 + SP, PP 2 and CP 2. (Before the temperature
+   reached the trainer this KL was ~1e-2 on the same model.) TP 2 without SP is the Qwen3 TP 2 run below
+   (and the bf16 run's mismatch), TP 2 x CP 2 the 8-rank rehearsal's first update (TP 2 + SP x PP 2 x
+   CP 2 at temperature 0.6), so they get no run of their own (most of a minute each on 2 cores). A tiny Qwen3
    (per-head q/k norms, head_dim 32 on a 64 hidden size, untied head) runs 3 BAPO steps on one process
    (disk weight sync) and under TP 2 (distributed gloo sync): every step's update is on-policy after the
    weight sync, KL below 1e-6. With a bf16 built-in server and `old_logprobs: recompute` (TIS) under
@@ -107,11 +109,9 @@ def _first_update(metrics: list[dict]) -> dict:
 
 LAYOUTS = {
     "one-process": (1, []),
-    "tp2": (2, ["actor.parallel.tp=2"]),
     "tp2-sp": (2, ["actor.parallel.tp=2", "actor.parallel.sequence_parallel=true"]),
     "pp2": (2, ["actor.parallel.pp=2"]),
     "cp2": (2, ["actor.parallel.cp=2"]),
-    "tp2-cp2": (4, ["actor.parallel.tp=2", "actor.parallel.cp=2"]),
     "qwen3-one-process": (1, ["trainer.total_steps=3"]),
     "qwen3-tp2": (2, ["trainer.total_steps=3", "actor.parallel.tp=2", "sync.method=distributed", "sync.backend=gloo"]),
 }
