@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -197,15 +198,25 @@ def test_api_key_reaches_every_call_and_is_never_written(assets, tmp_path, tiny_
         server.stop()
 
 
-def test_resumed_run_samples_as_the_uninterrupted_one(assets, tmp_path):
-    """Per-request sampling seeds from (run seed, prompt, start version, sample, tokens so far): a
-    run stopped after step 2 and resumed samples step 3 exactly as a run that never stopped."""
-    seeded = {"rollout": {"deterministic_inference": True}}  # seeds are sent only to servers that honour them
-    whole = run_config(assets, tmp_path / "whole", sections=seeded, total_steps=3, save_every=2)
-    proc = start_train(whole, assets, "eval.every_n_steps=0")
+SEEDED = {"rollout": {"deterministic_inference": True}}  # seeds are sent only to servers that honour them
+
+
+@pytest.fixture(scope="module")
+def whole_run(assets, tmp_path_factory):
+    """A finished seeded 3-step run (checkpoint at step 2), read only: the uninterrupted reference of
+    the resume test and the earlier run the start-over test replaces (in a copy)."""
+    out = tmp_path_factory.mktemp("whole") / "whole"
+    config = run_config(assets, out, sections=SEEDED, total_steps=3, save_every=2)
+    proc = start_train(config, assets, "eval.every_n_steps=0")
     log = finish(proc)
     assert proc.returncode == 0, log[-4000:]
-    split = run_config(assets, tmp_path / "split", sections=seeded, total_steps=2, save_every=2)
+    return out
+
+
+def test_resumed_run_samples_as_the_uninterrupted_one(assets, tmp_path, whole_run):
+    """Per-request sampling seeds from (run seed, prompt, start version, sample, tokens so far): a
+    run stopped after step 2 and resumed samples step 3 exactly as a run that never stopped."""
+    split = run_config(assets, tmp_path / "split", sections=SEEDED, total_steps=2, save_every=2)
     for extra in (["trainer.total_steps=2"], ["--resume", "trainer.total_steps=3"]):
         proc = start_train(split, assets, *extra, "eval.every_n_steps=0")
         log = finish(proc)
@@ -216,7 +227,8 @@ def test_resumed_run_samples_as_the_uninterrupted_one(assets, tmp_path):
         [rec] = [r for r in read_jsonl_metrics(tmp_path / run / "tb") if r["step"] == 3 and "rollout/reward_mean" in r]
         return rec
 
-    a, b = step3("whole"), step3("split")
+    [a] = [r for r in read_jsonl_metrics(whole_run / "tb") if r["step"] == 3 and "rollout/reward_mean" in r]
+    b = step3("split")
     for tag in ("rollout/reward_mean", "rollout/response_len_mean", "experience/num_samples"):
         assert a[tag] == b[tag], (tag, a[tag], b[tag])
     # Functions of the sampled tokens and their behaviour log-probs: equal only if the same tokens were drawn.
@@ -224,14 +236,16 @@ def test_resumed_run_samples_as_the_uninterrupted_one(assets, tmp_path):
         assert a[tag] == pytest.approx(b[tag], rel=1e-4, abs=1e-9), (tag, a[tag], b[tag])  # float noise only
 
 
-def test_starting_over_in_a_used_directory_does_not_mix_the_runs_metrics(assets, tmp_path):
-    """`--no-resume` into a directory holding an earlier run: its metrics (and samples ledger) are
-    replaced, not appended to, so curves and summaries show one run."""
-    config = run_config(assets, tmp_path / "run", total_steps=3, save_every=0)
-    for extra in ([], ["--no-resume", "trainer.total_steps=2"]):
-        proc = start_train(config, assets, *extra, "eval.every_n_steps=0")
-        log = finish(proc)
-        assert proc.returncode == 0, log[-4000:]
+def test_starting_over_in_a_used_directory_does_not_mix_the_runs_metrics(assets, tmp_path, whole_run):
+    """`--no-resume` into a directory holding an earlier run (a copy of the 3-step one): its metrics
+    (and samples ledger) are replaced, not appended to, so curves and summaries show one run."""
+    shutil.copytree(whole_run, tmp_path / "run")
+    earlier = [json.loads(ln)["step"] for ln in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert earlier == [1, 2, 3]
+    config = run_config(assets, tmp_path / "run", sections=SEEDED, total_steps=3, save_every=0)
+    proc = start_train(config, assets, "--no-resume", "trainer.total_steps=2", "eval.every_n_steps=0")
+    log = finish(proc)
+    assert proc.returncode == 0, log[-4000:]
     steps = [r["step"] for r in read_jsonl_metrics(tmp_path / "run" / "tb") if "timing/step_s" in r]
     assert steps == [1, 2]
     ledger = [json.loads(ln)["step"] for ln in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
