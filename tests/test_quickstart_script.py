@@ -16,7 +16,7 @@ def test_quickstart_script_summarizes_the_run_it_trained_where_output_dir_moved_
     nothing) while training elsewhere: a user comparing settings read the same numbers twice."""
     assets = tmp_path / "assets"
     subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny.py"), "--out", str(assets), "--sft-steps", "4",
-                    "--seed", "3"], check=True, capture_output=True, timeout=300)
+                    "--seed", "3", "--num-eval", "40"], check=True, capture_output=True, timeout=300)
     out = tmp_path / "moved"
     proc = subprocess.run(["bash", str(REPO / "examples" / "run_tiny_bapo.sh"), f"trainer.output_dir={out}",
                            "trainer.total_steps=1", "trainer.save_every=1", "eval.every_n_steps=0",
