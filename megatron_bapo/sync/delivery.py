@@ -32,6 +32,7 @@ from typing import Any, Iterator, Optional
 
 from megatron_bapo.config_io import ConfigError
 from megatron_bapo.rollout.errors import RolloutError
+from megatron_bapo.rollout.server_layout import weight_group_ranks
 from megatron_bapo.sync.config import SyncConfig, flushes_cache
 from megatron_bapo.sync.export import NullSink
 
@@ -148,7 +149,7 @@ class WeightDelivery:
             check_nccl(infos)
         sender = DistributedWeightSender(client, backend=self.config.backend, master_address=self.config.master_address,
                                          master_port=int(self.config.master_port), timeout_s=self.config.group_timeout_s)
-        sender.connect([int((infos[u] or {}).get("tp_size", 1)) for u in urls])
+        sender.connect(weight_group_ranks(infos, urls))
         self.sender, self._group_restarts = sender, self.pool.num_restarted
 
     def close(self) -> None:
