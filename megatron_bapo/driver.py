@@ -7,15 +7,15 @@ the rollout servers or the disk on behalf of the whole job lives here, on global
     driver.start(saved_state, step=.., version=.., ...)  # resume checks, servers + client, data, rollout, writers
     driver.start_rollout()                    # once the servers hold the weights to sample from
     batch, metrics = driver.next_batch(step, version)   # a finished round -> rewards -> actor batch
-    with driver.weight_update(version) as sink:         # delivery (sync.delivery): pause, session, flush
+    with driver.weight_update(version) as sink:         # the pool's update: pause, session, flush, version
         export.run(version, sink)                       # every rank gathers; rank 0's sink delivers
     driver.evaluate(step); driver.log(step, metrics)
     driver.state_dict()                       # data position, partial-rollout buffer, rounds ahead
     driver.close()
 
-The servers and the client belong to `rollout.pool.ServerPool`; every call that brings weights to
-them, to `sync.delivery.WeightDelivery`. On actor ranks above 0 a `Follower` holds the driver's
-place, so the trainer's loop has no rank branches around the sync.
+The servers, the client and every call that reaches the servers (restarts, pauses, weight updates,
+the served version) belong to `rollout.pool.ServerPool`. On actor ranks above 0 a `Follower` holds
+the driver's place, so the trainer's loop has no rank branches around the sync.
 
 Rollout runs through `rollout.RolloutProducer`: with `trainer.async_steps` = 0 it produces each
 round when the trainer asks for it (the synchronous loop); with k > 0 it runs k rounds ahead.
@@ -37,8 +37,8 @@ from megatron_bapo.experience import build_experience
 from megatron_bapo.logs import CONSOLE
 from megatron_bapo.metrics import MetricsWriter
 from megatron_bapo.run_state import CheckpointError
-from megatron_bapo.rollout.pool import ServerPool, required_server_flags
-from megatron_bapo.sync.delivery import NullDelivery, WeightDelivery
+from megatron_bapo.rollout.pool import ServerPool
+from megatron_bapo.sync.export import NullSink
 
 logger = logging.getLogger(__name__)
 console = logging.getLogger(CONSOLE)
@@ -54,8 +54,7 @@ class Driver:
         self.config = config
         self.output_dir = output_dir
         self.pool: Optional[ServerPool] = None
-        """The servers (started or external) and the one client; `client` is `pool.client`."""
-        self.delivery: Optional[WeightDelivery] = None
+        """The servers (started or external), the one client, the served version; `client` is `pool.client`."""
         self.client: Any = None
         self.producer: Any = None
         self.writer: Optional[MetricsWriter] = None
@@ -82,19 +81,16 @@ class Driver:
                 console.info("resume: %s", note)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
-        flags = required_server_flags(deterministic_inference=ro.deterministic_inference, pause_mode=cfg.sync.pause_mode,
-                                      routed_experts=ro.return_routed_experts)
         self.routed_experts_shape = _routing_shape(cfg.model.hf_path) if ro.return_routed_experts else None
-        self.pool = ServerPool(ro, model_path=cfg.model.hf_path, seed=cfg.trainer.seed,
+        self.pool = ServerPool(ro, cfg.sync, model_path=cfg.model.hf_path, seed=cfg.trainer.seed,
                                log_dir=self.output_dir / "logs", state_path=self.output_dir / "servers.json",
-                               server_flags=tuple(flags), weight_version=version, vocab_size=int(hf_config.vocab_size))
+                               weight_version=version, vocab_size=int(hf_config.vocab_size))
         self.client = self.pool.start()
-        self.delivery = WeightDelivery(cfg.sync, self.pool, deterministic_inference=ro.deterministic_inference)
         self._check_context()
         # Per-request seeds only where the servers honour them (SGLang: --enable-deterministic-inference).
         manager = PartialRolloutManager(self.client, ro, seed=cfg.trainer.seed if ro.deterministic_inference else None)
         self.producer = RolloutProducer(self.client, manager, lambda: self.dataset.next_batch(ro.prompts_per_step),
-                                        ahead=cfg.trainer.async_steps, version=version)
+                                        ahead=cfg.trainer.async_steps, served_version=lambda: self.pool.version)
         if state:
             try:
                 self.dataset.load_state_dict(state["data"])
@@ -159,18 +155,15 @@ class Driver:
 
     @contextlib.contextmanager
     def weight_update(self, version: int) -> Iterator[Any]:
-        """Rank 0's half of a weight sync: a context whose sink delivers the export to every server
-        (`sync.delivery`); the producer uses `version` for new rounds once it succeeded."""
-        with self.delivery.update(version) as session:
+        """Rank 0's half of a weight sync: the pool's update, whose session delivers the export to
+        every server; new rounds use `version` once it succeeded (`pool.version`)."""
+        with self.pool.update(version) as session:
             yield session
-        self.producer.publish(version)
 
     def close(self) -> None:
         """Stop producing, leave the weight group, stop the servers (by PID), close the writer."""
         if self.producer is not None:
             self.producer.stop()
-        if self.delivery is not None:
-            self.delivery.close()
         if self.pool is not None:
             self.pool.close()
         if self.writer is not None:
@@ -184,18 +177,10 @@ class Driver:
         produced again: its samples stayed buffered); a round whose requests the servers mostly
         rejected stops the run with their message (`rollout.max_failed_group_rate`).
         """
-        from megatron_bapo.rollout.errors import RolloutError
-
         cfg = self.config
-        while True:
-            self.pool.ensure_alive()
-            try:
-                done, waited = self.producer.next(version)
-                break
-            except RolloutError:
-                if not self.pool.any_dead():
-                    raise  # external servers (named in the error), or no dead built-in server to restart
-                self.producer.restart()
+        self.pool.ensure_alive()
+        done, waited = self.pool.retry_after_restart(lambda: self.producer.next(version),
+                                                     before_retry=self.producer.restart)
         self._check_rejections(done)
         t0 = time.monotonic()
         batch, metrics = build_experience(done.groups, self.tokenizer, cfg.reward, cfg.advantage,
@@ -262,16 +247,12 @@ class Follower:
 
     leads = False
 
-    def __init__(self) -> None:
-        self.delivery = NullDelivery()
-
     def next_batch(self, step: int, version: int) -> tuple[None, dict[str, float]]:
         return None, {}
 
     @contextlib.contextmanager
     def weight_update(self, version: int) -> Iterator[Any]:
-        with self.delivery.update(version) as sink:
-            yield sink
+        yield NullSink()  # this rank takes part in the export's gathers; rank 0 delivers
 
     def evaluate(self, step: int) -> dict[str, float]:
         return {}

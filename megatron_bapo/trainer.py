@@ -4,14 +4,14 @@
         batch   = driver.next_batch()                # rank 0: a finished rollout round -> rewards, advantages
         batch   = scatter(batch)                     # each actor rank gets its own DP/CP slice
         metrics = actor.train_step(batch)            # ppo_epochs x n_minibatches BAPO optimizer steps
-        sync_weights(version)                        # export (every rank) -> delivery (rank 0's servers)
+        sync_weights(version)                        # export (every rank) -> rank 0's server pool
         log(metrics); maybe evaluate
         watchdog.observe(step, metrics)              # no update in trainer.max_steps_without_update steps: stop
         maybe checkpoint
 
 Rank 0 also holds the `Driver` (`megatron_bapo.driver`): the server pool and the rollout client,
 data, the rollout producer (which with `trainer.async_steps` = k keeps k rounds ahead of training),
-rewards, the sample ledger, evaluation, metrics and the delivery of weights to the servers; on the
+rewards, the sample ledger, evaluation, metrics, and the server pool that updates the servers; on the
 other ranks a `Follower` holds its place. All ranks run the actor (TP/PP/CP/DP from
 `actor.parallel`) and the export half of the sync (`megatron_bapo.sync`). The loop is resumable at step
 boundaries: a checkpoint holds the actor (model, optimizer, scheduler, RNG), the data position,
@@ -224,7 +224,7 @@ class Trainer:
 
     def sync_weights(self, version: int) -> None:
         """Push the actor's weights to every server as `version`: every rank exports (gathers, writes
-        or buckets), rank 0's driver delivers (pause, update session, flush, restarts, version)."""
+        or buckets), rank 0's server pool delivers (pause, update session, flush, restarts, version)."""
         with self.driver.weight_update(version) as sink:
             self.export.run(version, sink)
 

@@ -24,7 +24,7 @@ import aiohttp
 
 from megatron_bapo.rollout.errors import RolloutError
 from megatron_bapo.rollout.protocol import parse_version
-from megatron_bapo.sync.config import PAUSE_MODES
+from megatron_bapo.weight_update import PAUSE_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class ControlMixin:
                                         abort_all_requests: bool = False, only: Optional[list[str]] = None) -> None:
         """Every worker (or the workers in `only`) loads the HF checkpoint at `model_path` and reports
         `weight_version`; `flush_cache` is sent explicitly (SGLang 0.5.23 refuses the update's flush
-        while requests hold KV, e.g. paused in place: `sync.config.flushes_cache`).
+        while requests hold KV, e.g. paused in place: `weight_update.flushes_cache`).
 
         Raises RolloutError naming each worker that failed (unreachable, 400, success false): a
         worker left on old weights would silently serve a different policy.

@@ -1,6 +1,6 @@
 """Group sampling with partial rollout (design section 3, step 3; spec section 14).
 
-Each `step(prompts, version)` call:
+Each `step(prompts, version)` call (a round; `astep` on the client's loop) returns a `RolloutRound`:
 1. opens a group of G pending samples per new prompt (appended to the buffer);
 2. for every unfinished sample in the buffer, sends ONE segment: `input_ids = prompt + response so
    far`, `max_new_tokens = min(segment_tokens, max_response_tokens - generated)`. A buffered
@@ -15,8 +15,11 @@ Each `step(prompts, version)` call:
    sets the state:
    stop -> completed; length at max_response_tokens (or clipped by the context) -> truncated;
    length below it -> partial; abort -> aborted (kept, resumed next step); 4xx -> failed;
-4. returns the groups whose G samples are all finished, oldest first; the rest stay buffered.
-Groups with a failed sample are dropped and counted (GRPO needs whole groups).
+4. returns the groups whose G samples are all finished, oldest first, with the round's metrics and
+   rejections; the rest stay buffered.
+Groups with a failed sample are dropped and counted (GRPO needs whole groups). `requeue_stale` sends
+finished groups that became too stale to train back into the buffer (the producer calls it when the
+trainer takes a round).
 
 A segment whose request failed on every server leaves its sample as it was (nothing lost) and the
 step raises RolloutError after recording the segments that did succeed. `state_dict()` is
@@ -35,7 +38,7 @@ from typing import Any, Optional, Sequence
 from megatron_bapo.rollout.client import RolloutClient
 from megatron_bapo.rollout.config import PartialRolloutConfig
 from megatron_bapo.rollout.errors import ProtocolError, RequestRejected, RolloutError
-from megatron_bapo.rollout.types import GenerateResult, Prompt, RolloutGroup, Sample, SampleState
+from megatron_bapo.rollout.types import GenerateResult, Prompt, RolloutGroup, RolloutRound, Sample, SampleState
 
 logger = logging.getLogger(__name__)
 STATE_FORMAT = 1
@@ -58,19 +61,18 @@ class PartialRolloutManager:
         self.seed = seed
         self.buffer: list[RolloutGroup] = []
         self.totals: dict[str, int] = {k: 0 for k in _COUNTERS}
-        self.last_metrics: dict[str, float] = {}
-        self.last_rejections: list[str] = []
-        """The servers' messages for the requests of the last step they rejected (4xx)."""
+        """Counters since the run started (checkpointed); each round's own are in its metrics."""
         self._warned_version = False
 
     # ------------------------------------------------------------------ stepping
-    def step(self, prompts: Sequence[Prompt], version: int) -> list[RolloutGroup]:
+    def step(self, prompts: Sequence[Prompt], version: int) -> RolloutRound:
         """Sync `astep` on the client's background loop."""
         return self.client.run(self.astep(prompts, version))
 
-    async def astep(self, prompts: Sequence[Prompt], version: int) -> list[RolloutGroup]:
-        """Start groups for `prompts`, advance every buffered sample by one segment, return the
-        groups that are now complete (all G samples completed or truncated), oldest first.
+    async def astep(self, prompts: Sequence[Prompt], version: int) -> RolloutRound:
+        """Start groups for `prompts`, advance every buffered sample by one segment, return the round:
+        the groups that are now complete (all G samples completed or truncated), oldest first, its
+        metrics and the servers' rejections.
 
         `version` is the policy version the servers are serving now (int); it is used for the
         staleness cap and for tokens whose reply carried no integer weight_version.
@@ -106,19 +108,19 @@ class PartialRolloutManager:
 
         results = await asyncio.gather(*(self._segment(s, seed) for s, seed in jobs), return_exceptions=True)
         errors: list[BaseException] = []
-        self.last_rejections = []
+        rejections: list[str] = []
         for (s, _), res in zip(jobs, results):
             if isinstance(res, RequestRejected):
                 s.state, s.error = SampleState.FAILED, str(res)
-                self.last_rejections.append(str(res))
+                rejections.append(str(res))
             elif isinstance(res, BaseException):
                 errors.append(res)  # the sample keeps its previous state and is retried next step
             else:
                 self._apply(s, res, version, step)
 
-        if self.last_rejections:  # one line per step, not one per request
+        if rejections:  # one line per step, not one per request
             logger.warning("%d rollout request(s) rejected (4xx), their groups dropped; first: %s",
-                           len(self.last_rejections), self.last_rejections[0])
+                           len(rejections), rejections[0])
         finished, failed, kept = [], [], []
         for group in self.buffer:
             (failed if group.failed else finished if group.finished else kept).append(group)
@@ -131,14 +133,37 @@ class PartialRolloutManager:
         step["num_bad_replies"] = self.client.stats.get("num_bad_replies", 0) - bad_replies
         for k, v in step.items():
             self.totals[k] += v
-        self.last_metrics = self._metrics(step, finished, time.monotonic() - started)
+        metrics = self._metrics(step, finished, time.monotonic() - started)
         if errors:
             if any(isinstance(e, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)) for e in errors):
                 raise errors[0]
             first = str(errors[0]) if isinstance(errors[0], RolloutError) else repr(errors[0])
             raise RolloutError(f"{len(errors)} rollout segment(s) failed on every server; every group stays "
                                f"buffered for the next step: {first}") from errors[0]
-        return finished
+        return RolloutRound(prompts=list(prompts), groups=finished, metrics=metrics, rejections=rejections)
+
+    def requeue_stale(self, groups: list[RolloutGroup], version: int) -> tuple[list[RolloutGroup], int]:
+        """Finished `groups` about to be trained at `version`: those holding a token more than
+        `max_staleness` versions behind go back into the buffer, reset (regenerated first, as the
+        oldest groups). Returns the groups to train and the number of samples sent back."""
+        cap = self.config.max_staleness
+        if cap is None:
+            return groups, 0
+        keep, stale = [], []
+        for g in groups:
+            oldest = min((v for s in g.samples for v in s.response_versions), default=version)
+            (stale if version - oldest > cap else keep).append(g)
+        for g in stale:
+            for s in g.samples:
+                s.reset()
+                s.num_regenerations += 1
+        regenerated = sum(len(g.samples) for g in stale)
+        self.totals["num_regenerated"] += regenerated
+        self.buffer[:0] = stale
+        if stale:
+            logger.info("%d finished group(s) more than %d versions behind version %d: regenerated", len(stale), cap,
+                        version)
+        return keep, regenerated
 
     def _too_stale(self, s: Sample, version: int) -> bool:
         cap = self.config.max_staleness

@@ -7,10 +7,12 @@ client's event loop and hands them to the trainer thread in order (`next`):
 - pacing: round r may start once the trainer has asked for round r - `ahead`. With `ahead` = 0 a
   round starts only when the trainer asks for it (the synchronous loop: generate, then train); with
   `ahead` = k the rounds of steps n+1..n+k run while the actor trains step n.
-- versions: a round passes the newest version the trainer published (`publish`) to the manager,
-  which labels tokens with the servers' reported versions; when a round is handed over, groups
-  holding a token more than `max_staleness` versions behind the trainer's version are reset into
-  the buffer (regenerated, counted), so the cap bounds what is TRAINED, not only what is resumed.
+- versions: a round passes the version the servers serve (`served_version()`, the server pool's) to
+  the manager, which labels tokens with the servers' reported versions; when a round is handed over,
+  the manager sends groups too stale to train at the trainer's version back into its buffer
+  (`requeue_stale`: regenerated, counted), so the cap bounds what is TRAINED, not only what is resumed.
+- results: every round's groups, metrics and rejections are `astep`'s return value; the producer
+  never reads or writes the manager's state.
 - checkpoints: `pause()` lets the running round finish and starts no new one; then `state_dict()`
   holds the finished rounds not yet handed over (prompts, tokens, log-probs, versions) next to the
   manager's buffer, and nothing is in flight. `resume()` goes on. A restored producer hands the
@@ -24,45 +26,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_bapo.rollout.partial import PartialRolloutManager
-from megatron_bapo.rollout.types import Prompt, RolloutGroup
+from megatron_bapo.rollout.types import Prompt, RolloutRound
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class RolloutRound:
-    """One round: the prompts it drew, the groups that finished in it, its `rollout/*` metrics."""
-
-    prompts: list[Prompt]
-    groups: list[RolloutGroup]
-    metrics: dict[str, float] = field(default_factory=dict)
-    rejections: list[str] = field(default_factory=list)
-    """The servers' messages for requests they rejected (4xx) in this round (their groups were dropped)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"prompts": [p.to_dict() for p in self.prompts], "groups": [g.to_dict() for g in self.groups],
-                "metrics": dict(self.metrics), "rejections": list(self.rejections)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RolloutRound":
-        return cls(prompts=[Prompt.from_dict(p) for p in d["prompts"]],
-                   groups=[RolloutGroup.from_dict(g) for g in d["groups"]], metrics=dict(d.get("metrics", {})),
-                   rejections=list(d.get("rejections", [])))
+__all__ = ["RolloutProducer", "RolloutRound"]
 
 
 class RolloutProducer:
-    """Produces rounds on `client`'s event loop; the trainer thread calls `next`, `publish`, `pause`."""
+    """Produces rounds on `client`'s event loop; the trainer thread calls `next`, `pause`, `resume`."""
 
     def __init__(self, client: Any, manager: PartialRolloutManager, draw: Callable[[], Sequence[Prompt]], *,
-                 ahead: int, version: int = 0) -> None:
+                 ahead: int, served_version: Callable[[], int]) -> None:
+        """`served_version`: the version the servers serve now (`ServerPool.version`), read when a round starts."""
         if ahead < 0:
             raise ValueError(f"RolloutProducer: ahead must be >= 0, got {ahead}")
         self.client, self.manager, self.draw, self.ahead = client, manager, draw, ahead
-        self.version = version
+        self.served_version = served_version
         self.ready: list[RolloutRound] = []
         self.requested = 0
         """Rounds the trainer has asked for (handed over or being waited for)."""
@@ -82,13 +65,12 @@ class RolloutProducer:
             async with cond:
                 await cond.wait_for(lambda: not self._paused and self.produced < self.requested + self.ahead)
                 self._busy = True
-                version = self.version
+                version = self.served_version()
             prompts: list[Prompt] = []
             try:
                 prompts = list(self.draw())
-                groups = await self.manager.astep(prompts, version)
-                done = RolloutRound(prompts=self._unrecorded + prompts, groups=groups,
-                                    metrics=dict(self.manager.last_metrics), rejections=list(self.manager.last_rejections))
+                done = await self.manager.astep(prompts, version)
+                done.prompts = self._unrecorded + done.prompts
                 self._unrecorded = []
             except BaseException as exc:  # noqa: BLE001 - handed to the trainer thread by next()
                 # The failed round's prompts are buffered (their groups opened): the next round reports them.
@@ -121,44 +103,15 @@ class RolloutProducer:
                 self.requested -= 1  # not handed over: asking again after a restart is the same request
                 raise self._error
             done = self.ready.pop(0)
-        kept = self._drop_stale(done.groups, version)
-        regenerated = sum(len(g.samples) for g in done.groups if all(g is not k for k in kept))
+        done.groups, regenerated = self.manager.requeue_stale(done.groups, version)
         if regenerated:  # the step that trains this round reports them with the round's own
             done.metrics["rollout/num_regenerated"] = done.metrics.get("rollout/num_regenerated", 0.0) + regenerated
-        done.groups = kept
         return done, time.monotonic() - started
 
     def next(self, version: int) -> tuple[RolloutRound, float]:
         """The next round (waiting for it), its stale groups sent back for regeneration, and the
         seconds the trainer waited. Raises the producer's error if it stopped."""
         return self.client.run(self._next(version))
-
-    def _drop_stale(self, groups: list[RolloutGroup], version: int) -> list[RolloutGroup]:
-        """Groups too stale to train at `version` go back into the manager's buffer, reset."""
-        cap = self.manager.config.max_staleness
-        if cap is None:
-            return groups
-        keep, stale = [], []
-        for g in groups:
-            oldest = min((v for s in g.samples for v in s.response_versions), default=version)
-            (stale if version - oldest > cap else keep).append(g)
-        for g in stale:
-            for s in g.samples:
-                s.reset()
-                s.num_regenerations += 1
-            self.manager.totals["num_regenerated"] += len(g.samples)
-        self.manager.buffer[:0] = stale  # regenerated first, as the oldest groups
-        if stale:
-            logger.info("%d finished group(s) more than %d versions behind version %d: regenerated", len(stale), cap, version)
-        return keep
-
-    async def _publish(self, version: int) -> None:
-        async with self._cond:
-            self.version = version
-
-    def publish(self, version: int) -> None:
-        """The servers now serve `version`: rounds started from now on use it."""
-        self.client.run(self._publish(version))
 
     async def _pause(self) -> None:
         async with self._cond:

@@ -168,3 +168,25 @@ class GenerateResult:
     routed_experts: Optional[bytes] = None
     """`meta_info.routed_experts` decoded: int32 little-endian ids (SGLang's wire form), None when the
     reply has none."""
+
+
+@dataclass
+class RolloutRound:
+    """One round of the partial-rollout manager (`PartialRolloutManager.astep`): the prompts it drew,
+    the groups that finished in it, its `rollout/*` metrics and the servers' rejections."""
+
+    prompts: list[Prompt]
+    groups: list[RolloutGroup]
+    metrics: dict[str, float] = field(default_factory=dict)
+    rejections: list[str] = field(default_factory=list)
+    """The servers' messages for requests they rejected (4xx) in this round (their groups were dropped)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompts": [p.to_dict() for p in self.prompts], "groups": [g.to_dict() for g in self.groups],
+                "metrics": dict(self.metrics), "rejections": list(self.rejections)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RolloutRound":
+        return cls(prompts=[Prompt.from_dict(p) for p in d["prompts"]],
+                   groups=[RolloutGroup.from_dict(g) for g in d["groups"]], metrics=dict(d.get("metrics", {})),
+                   rejections=list(d.get("rejections", [])))

@@ -1,6 +1,6 @@
 """The export half of the weight sync, on every actor rank: gather the live weights and hand them to a sink.
 
-A sink is rank 0's delivery session (`sync.delivery`) or, on every other rank, `NullSink`:
+A sink is rank 0's update session (`rollout.pool.ServerPool.update`) or, on every other rank, `NullSink`:
 
     sink.load_from_disk(path, version)     # DiskExport: after the HF directory is complete
     sink.send(bucket, last=...)            # DistributedExport: each bucket of (hf_name, full tensor)
@@ -26,7 +26,7 @@ _VERSION_DIR = re.compile(r"^v(\d+)(\.tmp|\.old)?$")
 
 
 class Sink(Protocol):
-    """What an export hands its result to (rank 0: `delivery.UpdateSession`; others: `NullSink`)."""
+    """What an export hands its result to (rank 0: `rollout.pool.UpdateSession`; others: `NullSink`)."""
 
     def load_from_disk(self, path: Path, version: int) -> None: ...
 
