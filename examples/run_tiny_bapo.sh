@@ -20,6 +20,11 @@
 # A tiny Qwen3-MoE with rollout routing replay:
 #   TINY_ARCH=qwen3_moe TINY_DIR=runs/tiny_moe_assets OUT=runs/tiny_moe \
 #     CONFIG=examples/configs/tiny_moe.yaml bash examples/run_tiny_bapo.sh
+# The same run on the real SGLang server instead of the built-in one (rollout.engine=sglang): the
+# script also builds .venv-sglang (tools/install.sh --with-sglang, a few minutes once) and, on a
+# machine without a GPU, turns rollout.deterministic_inference off (SGLang's deterministic mode needs
+# GPU attention kernels); pass a new trainer.output_dir to keep the built-in run's checkpoints apart:
+#   bash examples/run_tiny_bapo.sh rollout.engine=sglang trainer.output_dir=runs/tiny_sglang
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -27,12 +32,25 @@ TINY_DIR=${TINY_DIR:-runs/tiny_assets}
 OUT=${OUT:-runs/tiny_bapo}
 CONFIG=${CONFIG:-examples/configs/tiny_bapo.yaml}
 PY=.venv/bin/python
+ENGINE=builtin
 for arg in "$@"; do  # an output_dir override moves the run, so the summary must read it there too
-  case "$arg" in trainer.output_dir=*) OUT=${arg#trainer.output_dir=} ;; esac
+  case "$arg" in
+    trainer.output_dir=*) OUT=${arg#trainer.output_dir=} ;;
+    rollout.engine=*) ENGINE=${arg#rollout.engine=} ;;
+  esac
 done
-
+engine_args=()
 start=$SECONDS
-bash tools/install.sh
+if [ "$ENGINE" = sglang ]; then
+  bash tools/install.sh --with-sglang
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "rollout.engine=sglang on CPU: rollout.deterministic_inference=false (SGLang's deterministic inference" \
+         "needs GPU attention kernels)"
+    engine_args+=(rollout.deterministic_inference=false)
+  fi
+else
+  bash tools/install.sh
+fi
 install_s=$((SECONDS - start))
 start=$SECONDS
 assets=cached
@@ -45,7 +63,7 @@ start=$SECONDS
   model.hf_path="$TINY_DIR/base_model" \
   data.path="$TINY_DIR/data/train.jsonl" \
   "eval.datasets=[{name: tiny_test, path: $TINY_DIR/data/test.jsonl}]" \
-  trainer.output_dir="$OUT" "$@"
+  trainer.output_dir="$OUT" "${engine_args[@]}" "$@"
 train_s=$((SECONDS - start))
 "$PY" tools/summarize_run.py "$OUT"
 echo "timings: install $install_s s, assets $assets, train $train_s s, total $SECONDS s"

@@ -25,6 +25,8 @@ from megatron_bapo.config_io import ConfigError, apply_overrides, from_dict, to_
 from megatron_bapo.data.config import DatasetConfig
 from megatron_bapo.eval.config import EvalConfig
 from megatron_bapo.rollout.config import PartialRolloutConfig, RolloutClientConfig
+from megatron_bapo.rollout.pool import required_server_flags
+from megatron_bapo.rollout.sglang_launch import SGLangLaunchConfig, check_cpu_support
 from megatron_bapo.sync.config import SyncConfig
 
 
@@ -99,6 +101,9 @@ class ModelConfig:
             raise ConfigError("model.hf_path must be set to an HF checkpoint directory (tools/make_tiny.py makes one)")
 
 
+ENGINES = ("builtin", "sglang")
+
+
 @dataclass
 class RolloutConfig(PartialRolloutConfig):
     """Where rollouts come from and how they are sampled (design section 3 steps 2-3).
@@ -111,11 +116,22 @@ class RolloutConfig(PartialRolloutConfig):
 
     prompts_per_step: int = 8
     """Groups per RL step (the batch is `prompts_per_step x group_size` responses)."""
+    engine: str = "builtin"
+    """The servers the run starts itself (when `client.urls` and `client.router_url` are empty):
+    "builtin" (the built-in CPU server, `megatron_bapo/server/`) or "sglang" (real SGLang servers,
+    `sglang.launch_server`, as `sglang` says: on CPU from the venv `tools/install.sh --with-sglang`
+    builds, on GPUs on the GPUs it names). Either way they start with the flags the run relies on,
+    are waited for, and a crashed one is restarted and given the current weights."""
     num_builtin_servers: int = 1
-    """Built-in servers started on loopback when `client.urls` and `client.router_url` are empty."""
+    """How many servers the run starts (of `engine`) when `client.urls` and `client.router_url` are
+    empty."""
     builtin_server_dtype: str = "float32"
     """The built-in servers' `--dtype`: "float32" (log-probs match the fp32 trainer's to ~1e-6) or
-    "bfloat16" (as SGLang serves on GPUs: a real training-inference mismatch, see docs/bapo.md)."""
+    "bfloat16" (as SGLang serves on GPUs: a real training-inference mismatch, see docs/bapo.md).
+    SGLang servers take `sglang.dtype`."""
+    sglang: SGLangLaunchConfig = field(default_factory=SGLangLaunchConfig)
+    """How `engine: sglang` launches its servers: the Python with SGLang, CPU or GPUs (which ones),
+    TP size, dtype, KV memory, more flags (`megatron_bapo/rollout/sglang_launch.py`)."""
     client: RolloutClientConfig = field(default_factory=RolloutClientConfig)
     """Servers, router, concurrency, timeouts, retries, API key (`client.health_timeout_s` also bounds
     the built-in servers' start)."""
@@ -131,6 +147,12 @@ class RolloutConfig(PartialRolloutConfig):
         for name in ("prompts_per_step", "num_builtin_servers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"rollout.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine == "sglang" and not self.client.urls and not self.client.router_url \
+                and self.sglang.resolved_device() == "cpu":
+            check_cpu_support(required_server_flags(deterministic_inference=self.deterministic_inference,
+                                                    pause_mode=None, routed_experts=self.return_routed_experts))
         if self.builtin_server_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"rollout.builtin_server_dtype must be 'float32' or 'bfloat16', got "
                               f"{self.builtin_server_dtype!r}")

@@ -127,6 +127,29 @@ def test_real_sglang_serves_the_exported_tied_moe_with_its_head(tied_moe, tmp_pa
     torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("where", ["engine", "external"])
+def test_a_run_refuses_to_start_sglang_on_a_tied_qwen3_moe_without_its_head(tied_moe, tmp_path, where):
+    """The base checkpoint is served before any export: a run whose servers are SGLang (started by it,
+    or external) refuses it before launching anything, naming the fix; the exported one is accepted."""
+    from megatron_bapo.config import RolloutConfig
+    from megatron_bapo.rollout.config import RolloutClientConfig
+    from megatron_bapo.rollout.pool import ServerPool
+
+    hf_dir, exported, _ = tied_moe
+    rollout = (RolloutConfig(engine="sglang", deterministic_inference=False) if where == "engine" else
+               RolloutConfig(client=RolloutClientConfig(urls=["http://127.0.0.1:9"])))
+    pool = ServerPool(rollout, model_path=str(hf_dir), seed=0, log_dir=tmp_path, state_path=tmp_path / "s.json")
+    with pytest.raises(ConfigError) as err:
+        pool.start()
+    msg = str(err.value)
+    assert msg.startswith(f"model.hf_path={hf_dir} is a Qwen3MoeForCausalLM checkpoint with tied embeddings and no "
+                          f"lm_head.weight") and "tools/convert_hf.py" in msg and "\n" not in msg
+    assert pool.servers == [] and pool.client is None  # nothing was started
+    from megatron_bapo.convert.families import headless_for_sglang
+
+    assert headless_for_sglang(exported) is None and headless_for_sglang(hf_dir) == "Qwen3MoeForCausalLM"
+
+
 # ------------------------------------------------------------------ pipeline / data-parallel servers
 @pytest.mark.parametrize("info, ranks", [
     ({"tp_size": 4}, 4), ({"tp_size": 2, "pp_size": 1, "dp_size": 1}, 2),
@@ -173,7 +196,6 @@ def test_the_first_distributed_sync_refuses_a_server_whose_ranks_would_collide(b
     from megatron_bapo.rollout.config import RolloutClientConfig
     from megatron_bapo.rollout.pool import ServerPool
     from megatron_bapo.sync.config import SyncConfig
-    from megatron_bapo.sync.delivery import WeightDelivery
 
     def as_launched(path, body, reply):
         return {**reply, **layout} if path in ("/server_info", "/get_server_info") else reply
@@ -181,22 +203,20 @@ def test_the_first_distributed_sync_refuses_a_server_whose_ranks_would_collide(b
     records = tmp_path / "requests.jsonl"
     with RecordingProxy(builtin_server.url, records, rewrite=as_launched) as proxy:
         pool = ServerPool(RolloutConfig(client=RolloutClientConfig(urls=[proxy.url], health_timeout_s=60)),
-                          model_path="unused", seed=0, log_dir=tmp_path, state_path=tmp_path / "servers.json")
+                          SyncConfig(method="distributed", backend="gloo", group_timeout_s=30), model_path="unused",
+                          seed=0, log_dir=tmp_path, state_path=tmp_path / "servers.json")
         pool.start()
-        delivery = WeightDelivery(SyncConfig(method="distributed", backend="gloo", group_timeout_s=30), pool,
-                                  deterministic_inference=False)
         norm = ("model.norm.weight", torch.full((64,), 0.5))
         try:
             if refused:
                 with pytest.raises(ConfigError, match=f"server {proxy.url} runs tp_size=1 pp_size="):
-                    with delivery.update(1) as session:
+                    with pool.update(1) as session:
                         session.send([norm], last=True)
             else:
-                with delivery.update(1) as session:
+                with pool.update(1) as session:
                     session.send([norm], last=True)
                 assert pool.client.get_weight_version() == 1
         finally:
-            delivery.close()
             pool.close()
     paths = [json.loads(line)["path"] for line in records.read_text().splitlines()]
     assert ("/init_weights_update_group" in paths) is not refused
