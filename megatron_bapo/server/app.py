@@ -255,10 +255,12 @@ def load_entry(state: ServerState) -> dict:
 
 async def get_server_info(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
+    # The launch arguments, as SGLang 0.5.23 reports them: `model_path` and `weight_version` stay what the
+    # server was started with (the current ones are in /model_info; checked live, tests/test_server_contract.py).
     info = dataclasses.asdict(state.config)
     info.pop("api_key", None)
-    info.update(model_path=state.model_path, tp_size=1, dp_size=1, pp_size=1, context_length=state.context_length,
-                weight_version=state.weight_version, max_total_num_tokens=load_entry(state)["num_total_tokens"],
+    info.update(tp_size=1, dp_size=1, pp_size=1, context_length=state.context_length,
+                max_total_num_tokens=load_entry(state)["num_total_tokens"],
                 max_req_input_len=state.context_length - 1, internal_states=[load_entry(state)],
                 version=SERVER_VERSION, backend="megatron_bapo.server (transformers, CPU)",
                 disable_radix_cache=True,  # there is no prefix cache across calls (server/README.md)
