@@ -212,6 +212,15 @@ def test_the_servers_run_as_the_config_says(served):
     assert served.http("POST", "/generate", {"input_ids": PROMPT}, key=None)[0] == 401
     assert served.http("POST", "/generate", {"input_ids": PROMPT}, key="wrong")[0] == 401
     assert served.http("GET", "/health", key=None)[0] == 200
+    assert served.http("GET", "/get_weight_version")[0] == 404  # gone in 0.5.23: versions are /model_info's
+    # An update outside a session is refused first, even with no weight group (SGLang's order).
+    status, text = served.http("POST", "/update_weights_from_distributed", {
+        "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "nonexistent"})
+    assert status == 400 and json.loads(text) == {
+        "success": False, "message": "update_weights_from_distributed must run between begin_weight_update() and "
+                                     "end_weight_update()"}
+    status, text = served.http("POST", "/destroy_weights_update_group", {"group_name": "nonexistent"})
+    assert status == 400 and json.loads(text) == {"success": False, "message": "The group to be destroyed does not exist."}
 
 
 def test_evaluation_samples_what_the_model_decodes(served, tmp_path):
