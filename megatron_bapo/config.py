@@ -149,10 +149,11 @@ class RolloutConfig(PartialRolloutConfig):
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         if self.engine not in ENGINES:
             raise ConfigError(f"rollout.engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.engine == "sglang" and not self.client.urls and not self.client.router_url \
-                and self.sglang.resolved_device() == "cpu":
-            check_cpu_support(required_server_flags(deterministic_inference=self.deterministic_inference,
-                                                    pause_mode=None, routed_experts=self.return_routed_experts))
+        if self.engine == "sglang" and not self.client.urls and not self.client.router_url:
+            self.sglang.resolved_python()  # SGLang is installed (before any model is built)
+            if self.sglang.resolved_device() == "cpu":
+                check_cpu_support(required_server_flags(deterministic_inference=self.deterministic_inference,
+                                                        pause_mode=None, routed_experts=self.return_routed_experts))
         if self.builtin_server_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"rollout.builtin_server_dtype must be 'float32' or 'bfloat16', got "
                               f"{self.builtin_server_dtype!r}")

@@ -97,3 +97,25 @@ def test_bad_values_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="rollout.sglang.tp_size=2 on a CPU"):
         sglang_command(SGLangLaunchConfig(device="cpu", tp_size=2), model_path="/m", port=1, random_seed=0,
                        python="py")
+
+
+def test_the_run_config_refuses_an_sglang_engine_it_cannot_start(tmp_path):
+    """`rollout.engine: sglang` is checked where the config is read (before any model is built): an
+    unknown engine, a missing SGLang, what SGLang cannot do on a CPU; external servers are not started."""
+    from megatron_bapo.config import RolloutConfig
+    from megatron_bapo.rollout.config import RolloutClientConfig
+
+    with pytest.raises(ConfigError, match="rollout.engine must be one of"):
+        RolloutConfig(engine="vllm")
+    missing = SGLangLaunchConfig(python=str(tmp_path / "nope"), device="cpu")
+    with pytest.raises(ConfigError, match="rollout.sglang.python=.*does not exist"):
+        RolloutConfig(engine="sglang", sglang=missing)
+    python = tmp_path / "python"
+    python.touch()
+    here = SGLangLaunchConfig(python=str(python), device="cpu")
+    with pytest.raises(ConfigError, match="rollout.deterministic_inference=false"):
+        RolloutConfig(engine="sglang", sglang=here, deterministic_inference=True)
+    with pytest.raises(ConfigError, match="rollout.return_routed_experts=false"):
+        RolloutConfig(engine="sglang", sglang=here, return_routed_experts=True)
+    RolloutConfig(engine="sglang", sglang=missing, deterministic_inference=True,
+                  client=RolloutClientConfig(urls=["http://h:1"]))  # starts nothing: nothing to check
