@@ -350,10 +350,24 @@ class ServerPool:
         urls = self.client.worker_urls()
         if self.sync.backend == "nccl":
             check_nccl(infos)
+        self._clear_stale_groups()
         sender = DistributedWeightSender(self.client, backend=self.sync.backend, master_address=self.sync.master_address,
                                          master_port=int(self.sync.master_port), timeout_s=self.sync.group_timeout_s)
         sender.connect(weight_group_ranks(infos, urls))
         self._sender, self._group_restarts = sender, self.num_restarted
+
+
+    def _clear_stale_groups(self) -> None:
+        """Servers outlive trainers: before joining, end any open update session and destroy any group
+        of our name on every server (left by a trainer that died; SGLang keeps both, and refuses a new
+        join under that name until the group is destroyed). One line names what each server held."""
+        from megatron_bapo.weight_update import DEFAULT_GROUP
+
+        held = self.client.run(self.client.aclear_weight_group(DEFAULT_GROUP), timeout=self.sync.group_timeout_s)
+        for url, what in held.items():
+            if what:
+                logger.warning("server %s still held %s of an earlier trainer (one that died): closed before joining "
+                               "this run's weight group", url, " and ".join(what))
 
 
 class UpdateSession:

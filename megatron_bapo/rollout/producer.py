@@ -113,14 +113,21 @@ class RolloutProducer:
         seconds the trainer waited. Raises the producer's error if it stopped."""
         return self.client.run(self._next(version))
 
-    async def _pause(self) -> None:
+    async def _pause(self, abort: bool) -> None:
         async with self._cond:
             self._paused = True
+            busy = self._busy
+        if abort and busy:  # the round's requests come back now, with the tokens they have (kept, resumed later)
+            await self.client.aabort_all()
+        async with self._cond:
             await self._cond.wait_for(lambda: not self._busy)
 
-    def pause(self) -> None:
-        """Let the running round finish and start no new one (nothing in flight afterwards)."""
-        self.client.run(self._pause())
+    def pause(self, *, abort: bool = False) -> None:
+        """Start no new round and wait for the running one (nothing in flight afterwards). `abort`: do
+        not let it run to its end: its requests are aborted, and every response keeps the tokens it
+        has as a partial rollout (state ABORTED, resumed by the next round); the groups it finished are
+        its result. A checkpoint pauses so: at 64k tokens a round runs for minutes, while every rank waits."""
+        self.client.run(self._pause(abort))
 
     async def _resume(self) -> None:
         async with self._cond:

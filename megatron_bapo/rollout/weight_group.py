@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -75,16 +76,41 @@ class DistributedWeightSender:
                       "rank_offset": 1 + sum(ranks[:i]), "world_size": world, "group_name": self.group_name,
                       "backend": self.backend} for i, u in enumerate(self.urls)}
         pending = self.client.submit(self.client.ainit_weights_update_group(bodies, timeout=self.timeout_s))
-        try:
-            self.pg = init_weights_update_group(self.backend, self.master_address, self.master_port, 0, world,
-                                                self.group_name, timeout_s=self.timeout_s, store=store)
-        except Exception as exc:
-            pending.cancel()
-            raise RolloutError(f"joining the weight update group at {self.master_address}:{self.master_port} "
-                               f"failed within sync.group_timeout_s={self.timeout_s}: {exc}") from exc
+        self.pg = self._join(pending, world, store)
         pending.result(self.timeout_s)
         logger.info("weight update group %s: world size %d (trainer + %s server ranks, %s)",
                     self.group_name, world, ranks, self.backend)
+
+    def _join(self, pending: Any, world: int, store: Any) -> Any:
+        """Join as rank 0 while the servers' join calls are pending. A server answers its call only once
+        the rendezvous completed, so an answer before that is a refusal (e.g. `group ... already exists`
+        from a server an earlier trainer left its group on): it stops the wait at once, its reply in the
+        error, instead of waiting out `sync.group_timeout_s` for a rank that will never come. The
+        rendezvous runs in a daemon thread so this one stays responsive (a SIGTERM lands too)."""
+        box: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                box["pg"] = init_weights_update_group(self.backend, self.master_address, self.master_port, 0, world,
+                                                      self.group_name, timeout_s=self.timeout_s, store=store)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the waiting thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=join, name="weight-group-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            if thread.is_alive() and pending.done() and pending.exception() is not None:
+                raise RolloutError(f"a server refused to join the weight update group {self.group_name!r}: "
+                                   f"{pending.exception()}") from pending.exception()
+        if "error" in box:
+            pending.cancel()
+            exc = box["error"]
+            refused = pending.exception() if pending.done() else None
+            raise RolloutError(f"joining the weight update group at {self.master_address}:{self.master_port} "
+                               f"failed within sync.group_timeout_s={self.timeout_s}: {exc}"
+                               + (f"; a server answered: {refused}" if refused else "")) from exc
+        return box["pg"]
 
     def send(self, bucket: Sequence, *, weight_version: Optional[str] = None, flush_cache: bool = False,
              flattened: bool = False) -> int:
