@@ -9,7 +9,8 @@
    rollout one step ahead, partial rollout; the run finishes, counts the failures and evaluates
    through the agent loop.
 
-Parametrized by engine so the live-SGLang engine (issue 31's `rollout.engine`) joins when it lands.
+The first runs against both engines: the built-in server (seeded) and live SGLang 0.5.23 on CPU
+(`.venv-sglang`; no seeds: SGLang's deterministic mode needs GPU attention kernels).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import pytest
 
 from agent_helpers import make_tool_model, tokenizer, write_plugins
+from contract_helpers import SGLANG_PYTHON
 from megatron_bapo.metrics import read_jsonl_metrics
 from megatron_bapo.rollout import PartialRolloutConfig, PartialRolloutManager, Prompt, RolloutClient, RolloutClientConfig
 from megatron_bapo.rollout.agent import AgentConfig, AgentLoop, ToolConfig
@@ -42,8 +44,9 @@ def tool_assets(tmp_path_factory):
     return root, model
 
 
-@pytest.mark.parametrize("engine", ["builtin"])
+@pytest.mark.parametrize("engine", ["builtin", "sglang"])
 def test_agent_loop_sends_the_exact_ids_to_a_real_server(tool_assets, tmp_path, engine):
+    from megatron_bapo.rollout.sglang_launch import SGLangLaunchConfig, start_sglang_server
     from megatron_bapo.server.launch import start_server
 
     root, model = tool_assets
@@ -51,16 +54,23 @@ def test_agent_loop_sends_the_exact_ids_to_a_real_server(tool_assets, tmp_path, 
     prompts = [Prompt(TOK.encode(p), index=i) for i, p in enumerate(["482*375=", "123*456=", "907*118="])]
     agent = AgentLoop(AgentConfig(tools=[ToolConfig("calculator", "calculator")], max_turns=3), TOK)
     config = PartialRolloutConfig(group_size=2, max_response_tokens=96, segment_tokens=24, max_staleness=None)
-    server = start_server(model, extra_args=["--enable-deterministic-inference", "--num-threads", "1"])
+    if engine == "builtin":
+        server, seed = start_server(model, extra_args=["--enable-deterministic-inference", "--num-threads", "1"]), 7
+    else:
+        if not SGLANG_PYTHON.exists():
+            pytest.fail(f"{SGLANG_PYTHON} is missing: run bash tools/install.sh --with-sglang (tools/run_tests.sh does)")
+        server, seed = start_sglang_server(SGLangLaunchConfig(python=str(SGLANG_PYTHON), device="cpu"),
+                                           model_path=str(model), log_path=tmp_path / "sglang.log",
+                                           random_seed=0), None
     try:
         with RecordingProxy(server.url, records) as proxy, RolloutClient(RolloutClientConfig(urls=[proxy.url])) as client:
-            m = PartialRolloutManager(client, config, seed=7, agent=agent)
+            m = PartialRolloutManager(client, config, seed=seed, agent=agent)
             done = m.step(prompts, 0).groups
             for _ in range(10):
                 if not m.buffer:
                     break
                 state = json.loads(json.dumps(m.state_dict()))  # a checkpoint between every two rounds
-                m = PartialRolloutManager(client, config, seed=7, agent=agent)
+                m = PartialRolloutManager(client, config, seed=seed, agent=agent)
                 m.load_state_dict(state)
                 done += m.step([], 0).groups
     finally:

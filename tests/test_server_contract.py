@@ -72,6 +72,15 @@ def test_a_response_continues_across_segments(served):
     check_logprobs(served, PROMPT + sampled.output_ids, more)
 
 
+def test_a_budget_that_ends_on_a_stop_id_finishes_as_stop(served):
+    """SGLang 0.5.23 checks stop ids before the length budget: a response whose max_new_tokens ends
+    exactly on a stop id is "stop" (the partial-rollout manager would otherwise resume it past it)."""
+    free = served.client.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0.0}).output_ids  # may end on EOS
+    k = max(i for i in range(len(free)) if free[i] not in free[:i])  # the last token not seen before it
+    r = served.client.generate(PROMPT, {"max_new_tokens": k + 1, "temperature": 0.0, "stop_token_ids": [free[k]]})
+    assert r.output_ids == free[:k + 1] and r.finish_reason == {"type": "stop", "matched": free[k]}, r.finish_reason
+
+
 def test_abort_all_returns_every_request_with_its_partial_tokens(served):
     requests = served.long_requests(3)
     served.client.abort_all()
