@@ -114,7 +114,8 @@ def search_dppo(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, advantages: 
     ratio = torch.exp(torch.where(keep, clamped_log_ratio(logprobs.detach(), ref_logprobs), 0.0))
     _, high_step, _, low_step = dppo.search_grid()
     spec = GridSpec("gradient", bapo.weight, high_step, low_step)
-    vec = contribution_vectors(coord, advantages, mask, spec, high, low, rollout_logprobs,
+    # The coordinate is float64 (binned exactly as the loss compares it); the advantages follow it.
+    vec = contribution_vectors(coord, advantages.to(torch.float64), mask, spec, high, low, rollout_logprobs,
                                token_weights=token_weights, values=importance_weight(ratio, dppo.ratio_cap))
     sums = _reduce(vec, group)
     num_k, num_j = high.numel(), low.numel()
