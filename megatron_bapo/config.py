@@ -28,6 +28,9 @@ from megatron_bapo.rollout.config import PartialRolloutConfig, RolloutClientConf
 from megatron_bapo.sync.config import SyncConfig
 
 
+DYNAMIC_SAMPLING = ("off", "filter", "refill")
+"""`rollout.dynamic_sampling` (rollout.dynamic_sampling.DynamicSampler)."""
+
 PENALTY_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0}
 """SGLang sampling keys that change the logits before the returned log-prob, with their neutral values."""
 
@@ -125,12 +128,26 @@ class RolloutConfig(PartialRolloutConfig):
     wrong); 1 disables."""
     max_server_restarts: int = 3
     """Times the trainer restarts a built-in server that died (each restart counted and logged)."""
+    dynamic_sampling: str = "off"
+    """What a step trains of the groups that finished (`rollout.dynamic_sampling`): "off" (all of
+    them, as before), "filter" (drop groups whose rewards are all equal: they carry no GRPO signal),
+    "refill" (DAPO: drop them and draw more prompts, in further rollout rounds of the same step,
+    until `prompts_per_step` groups with non-zero reward variance are ready or
+    `max_refill_rounds` is reached; surplus finished groups wait in the buffer for the next step).
+    Metrics: `rollout/zero_variance_frac`, `rollout/refill_rounds`, `rollout/refill_cap_hit`."""
+    max_refill_rounds: int = 8
+    """With `dynamic_sampling: refill`, extra rollout rounds per step at most; a step that reaches it
+    trains what it has and logs `rollout/refill_cap_hit` = 1."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("prompts_per_step", "num_builtin_servers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dynamic_sampling not in DYNAMIC_SAMPLING:
+            raise ConfigError(f"rollout.dynamic_sampling must be one of {DYNAMIC_SAMPLING}, got {self.dynamic_sampling!r}")
+        if self.max_refill_rounds < 1:
+            raise ConfigError(f"rollout.max_refill_rounds must be >= 1, got {self.max_refill_rounds}")
         if self.builtin_server_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"rollout.builtin_server_dtype must be 'float32' or 'bfloat16', got "
                               f"{self.builtin_server_dtype!r}")
@@ -179,8 +196,18 @@ class RewardConfig:
     """A step where the reward FUNCTION failed (raised, timed out, returned a non-number) on more
     than this fraction of the responses stops the run, naming the reward and sample errors; 1
     disables. (Responses without a valid answer are not failures of the function.)"""
+    overlong_buffer_tokens: int = 0
+    """DAPO's soft overlong punishment: L_cache, the last tokens before `rollout.max_response_tokens`
+    over which a linear length penalty grows from 0 to -`overlong_penalty` (`rewards.overlong`);
+    0 = off. Logged as `reward/overlong_penalty_mean` and `reward/num_overlong_penalized`."""
+    overlong_penalty: float = 1.0
+    """The penalty at the limit (DAPO: 1, the scale of a correct answer)."""
 
     def __post_init__(self) -> None:
+        if self.overlong_buffer_tokens < 0:
+            raise ConfigError(f"reward.overlong_buffer_tokens must be >= 0 (0 = off), got {self.overlong_buffer_tokens}")
+        if not self.overlong_penalty >= 0:
+            raise ConfigError(f"reward.overlong_penalty must be >= 0, got {self.overlong_penalty}")
         if not self.timeout_s > 0:
             raise ConfigError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
         if not 0 < self.max_failure_rate <= 1:
@@ -194,8 +221,6 @@ class AdvantageConfig:
     estimator: str = "grpo"
     """"grpo": (r - mean) / (std + eps) per group; "dr_grpo": r - mean (no std division)."""
     eps: float = 1e-6
-    filter_uniform_groups: bool = False
-    """Drop groups whose rewards are all equal (zero advantage everywhere), counted in metrics."""
 
     def __post_init__(self) -> None:
         if self.estimator not in ("grpo", "dr_grpo"):
@@ -229,6 +254,11 @@ class RunConfig:
                 f"(abort, retract or in_place): without a pause each bucket waits for the generation in flight and "
                 f"requests between buckets run on half-updated weights; set sync.pause_mode=abort or "
                 f"trainer.async_steps=0")
+        if self.reward.overlong_buffer_tokens > ro.max_response_tokens:
+            raise ConfigError(
+                f"reward.overlong_buffer_tokens={self.reward.overlong_buffer_tokens} is longer than "
+                f"rollout.max_response_tokens={ro.max_response_tokens}: the penalty's ramp must end at the limit; "
+                f"use at most {ro.max_response_tokens} (DAPO: a quarter of it)")
         if self.actor.routing_replay and not ro.return_routed_experts:
             raise ConfigError("actor.routing_replay=true replays the experts the rollout servers chose, which they "
                               "return only when asked: set rollout.return_routed_experts=true")
@@ -283,6 +313,9 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
         data = loaded or {}
     data = apply_overrides(data, overrides)
+    if "filter_uniform_groups" in (data.get("advantage") or {}):
+        raise ConfigError("advantage.filter_uniform_groups was replaced by rollout.dynamic_sampling: filter (the same "
+                          "drop of groups with equal rewards; refill draws more prompts instead); remove the key")
     preset = data.get("bapo_preset")
     if preset is not None:
         try:

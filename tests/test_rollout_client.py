@@ -337,6 +337,7 @@ def test_producer_runs_ahead_and_regenerates_rounds_too_stale_to_train():
     """RolloutProducer(ahead=2) keeps two rounds ready beyond the one the trainer asked for; a round
     whose groups are more than max_staleness versions behind when the trainer takes it is not
     trained: its groups go back into the buffer, reset, and come back under the new weights."""
+    from megatron_bapo.rollout.dynamic_sampling import rollout_round
     from megatron_bapo.rollout.producer import RolloutProducer
 
     with fake_servers(1) as (urls, _), client_for(urls) as client:
@@ -344,7 +345,7 @@ def test_producer_runs_ahead_and_regenerates_rounds_too_stale_to_train():
                                    sampling=SamplingConfig(ignore_eos=True))
         manager = PartialRolloutManager(client, cfg)
         todo = prompts(8)
-        producer = RolloutProducer(client, manager, lambda: [todo.pop(0)], ahead=2, version=0)
+        producer = RolloutProducer(client, manager, rollout_round(manager, lambda: [todo.pop(0)]), ahead=2, version=0)
         client.update_weights_from_disk("ckpt/a0", 0)
         producer.start()
         first, _ = producer.next(0)

@@ -1,8 +1,10 @@
 """Rollout rounds produced ahead of training (`trainer.async_steps`), on the rollout client's loop.
 
-A round is one `PartialRolloutManager.astep`: draw the step's new prompts, advance every buffered
-sample by one segment, collect the groups that finished. The producer runs rounds as a task on the
-client's event loop and hands them to the trainer thread in order (`next`):
+A round is one step's rollout, `produce(version)`: draw the step's new prompts, advance every buffered
+sample by one segment (`PartialRolloutManager.astep`), collect and score the groups that finished and
+keep the ones the step trains (`rollout.dynamic_sampling.DynamicSampler`, which may run more such
+rounds in the step to refill it). The producer runs rounds as a task on the client's event loop and
+hands them to the trainer thread in order (`next`):
 
 - pacing: round r may start once the trainer has asked for round r - `ahead`. With `ahead` = 0 a
   round starts only when the trainer asks for it (the synchronous loop: generate, then train); with
@@ -16,7 +18,8 @@ client's event loop and hands them to the trainer thread in order (`next`):
   manager's buffer, and nothing is in flight. `resume()` goes on. A restored producer hands the
   saved rounds over first, so no prompt is lost or drawn twice across a kill and resume.
 - errors: a round that fails (RolloutError: every server failed; its groups stay buffered) stops
-  the producer and the trainer's next `next()` raises it, as the synchronous loop would.
+  the producer and the trainer's next `next()` raises it, as the synchronous loop would; the prompts
+  it drew are reported by the round that completes the step (the sampler keeps them).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional
 
 from megatron_bapo.rollout.partial import PartialRolloutManager
 from megatron_bapo.rollout.types import Prompt, RolloutGroup
@@ -35,33 +38,39 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RolloutRound:
-    """One round: the prompts it drew, the groups that finished in it, its `rollout/*` metrics."""
+    """One round: the prompts it drew, the groups it trains, the groups it dropped, its `rollout/*` metrics."""
 
     prompts: list[Prompt]
     groups: list[RolloutGroup]
     metrics: dict[str, float] = field(default_factory=dict)
     rejections: list[str] = field(default_factory=list)
     """The servers' messages for requests they rejected (4xx) in this round (their groups were dropped)."""
+    dropped: list[RolloutGroup] = field(default_factory=list)
+    """Finished groups not trained because their rewards are all equal (`rollout.dynamic_sampling`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompts": [p.to_dict() for p in self.prompts], "groups": [g.to_dict() for g in self.groups],
-                "metrics": dict(self.metrics), "rejections": list(self.rejections)}
+                "metrics": dict(self.metrics), "rejections": list(self.rejections),
+                "dropped": [g.to_dict() for g in self.dropped]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RolloutRound":
         return cls(prompts=[Prompt.from_dict(p) for p in d["prompts"]],
                    groups=[RolloutGroup.from_dict(g) for g in d["groups"]], metrics=dict(d.get("metrics", {})),
-                   rejections=list(d.get("rejections", [])))
+                   rejections=list(d.get("rejections", [])),
+                   dropped=[RolloutGroup.from_dict(g) for g in d.get("dropped", [])])
 
 
 class RolloutProducer:
     """Produces rounds on `client`'s event loop; the trainer thread calls `next`, `publish`, `pause`."""
 
-    def __init__(self, client: Any, manager: PartialRolloutManager, draw: Callable[[], Sequence[Prompt]], *,
-                 ahead: int, version: int = 0) -> None:
+    def __init__(self, client: Any, manager: PartialRolloutManager, produce: Callable[[int], Awaitable[RolloutRound]],
+                 *, ahead: int, version: int = 0) -> None:
+        """`produce(version)`: one step's round (`DynamicSampler.produce`; `dynamic_sampling.rollout_round`
+        without rewards)."""
         if ahead < 0:
             raise ValueError(f"RolloutProducer: ahead must be >= 0, got {ahead}")
-        self.client, self.manager, self.draw, self.ahead = client, manager, draw, ahead
+        self.client, self.manager, self.produce, self.ahead = client, manager, produce, ahead
         self.version = version
         self.ready: list[RolloutRound] = []
         self.requested = 0
@@ -72,8 +81,6 @@ class RolloutProducer:
         self._error: Optional[BaseException] = None
         self._task: Optional[asyncio.Task] = None
         self._cond = asyncio.Condition()  # binds to the client's loop on first use
-        self._unrecorded: list[Prompt] = []
-        """Prompts drawn by rounds that failed (their groups are buffered); reported by the next round."""
 
     # ------------------------------------------------------------------ the producing task
     async def _run(self) -> None:
@@ -83,16 +90,10 @@ class RolloutProducer:
                 await cond.wait_for(lambda: not self._paused and self.produced < self.requested + self.ahead)
                 self._busy = True
                 version = self.version
-            prompts: list[Prompt] = []
             try:
-                prompts = list(self.draw())
-                groups = await self.manager.astep(prompts, version)
-                done = RolloutRound(prompts=self._unrecorded + prompts, groups=groups,
-                                    metrics=dict(self.manager.last_metrics), rejections=list(self.manager.last_rejections))
-                self._unrecorded = []
+                done = await self.produce(version)
             except BaseException as exc:  # noqa: BLE001 - handed to the trainer thread by next()
-                # The failed round's prompts are buffered (their groups opened): the next round reports them.
-                self._unrecorded += prompts
+                # The failed round's groups stay buffered; the round that completes the step reports its prompts.
                 async with cond:
                     self._error, self._busy = exc, False
                     cond.notify_all()
@@ -197,10 +198,9 @@ class RolloutProducer:
         """JSON-safe: finished rounds not handed over yet (call while paused; the buffer is the manager's)."""
         if self._busy:
             raise RuntimeError("RolloutProducer.state_dict while a round runs; pause() first")
-        return {"ready": [r.to_dict() for r in self.ready], "unrecorded": [p.to_dict() for p in self._unrecorded]}
+        return {"ready": [r.to_dict() for r in self.ready]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Before `start()`: the saved rounds are handed over first, in order."""
         self.ready = [RolloutRound.from_dict(r) for r in state.get("ready", [])]
-        self._unrecorded = [Prompt.from_dict(p) for p in state.get("unrecorded", [])]
         self.produced = len(self.ready)

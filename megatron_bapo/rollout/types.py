@@ -77,7 +77,7 @@ class Sample:
     """Times the sample was thrown away for exceeding max_staleness and started again."""
     error: Optional[str] = None
     reward: Optional[float] = None
-    """Filled by the trainer."""
+    """The reward training sees (`experience.score_groups`, when the group finished); None until then."""
     routed_experts: bytes = b""
     """Mixture-of-experts routing: int16 little-endian `[rows, routed_width]` (row p: the experts every
     MoE layer chose for position p of prompt + response, `num_layers x top_k` ids), rows 0..n-1
@@ -100,6 +100,7 @@ class Sample:
         self.response_ids, self.response_logprobs, self.response_versions = [], [], []
         self.state, self.finish_reason, self.num_segments = SampleState.PENDING, None, 0
         self.routed_experts, self.routed_width = b"", 0
+        self.reward = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompt_ids": list(self.prompt_ids), "response_ids": list(self.response_ids),
