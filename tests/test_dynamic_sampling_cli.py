@@ -66,7 +66,9 @@ def test_refill_with_partial_rollout_and_rollout_ahead_loses_nothing(assets, tmp
     (and their refills) run a step ahead: every drawn prompt is trained, dropped, still buffered or
     in a round produced ahead, once; the updated steps train 3 groups with signal."""
     out = tmp_path / "run"
-    proc = start_train(_config(assets, out, total_steps=5, save_every=0, async_steps=async_steps), assets,
+    # Rollout ahead also runs with a single refill round: max_refill_rounds reaches the sampler.
+    cap = {"max_refill_rounds": 1} if async_steps else {}
+    proc = start_train(_config(assets, out, cap, total_steps=5, save_every=0, async_steps=async_steps), assets,
                        "eval.every_n_steps=0", "trainer.save_every=5")
     log = finish(proc)
     assert proc.returncode == 0, log[-4000:]
@@ -86,6 +88,31 @@ def test_refill_with_partial_rollout_and_rollout_ahead_loses_nothing(assets, tmp
         assert r["experience/num_zero_variance_groups"] == 0, r
         if not r["rollout/refill_cap_hit"] and not r.get("rollout/num_regenerated"):
             assert r["experience/num_groups"] == 3, r
+    if async_steps:
+        assert max(r["rollout/refill_rounds"] for r in records) == 1 and any(r["rollout/refill_cap_hit"] for r in records)
+
+
+def test_filter_and_overlong_shaping_and_filtering_act(assets, tmp_path):
+    """dynamic_sampling: filter drops equal-reward groups without refilling; the overlong penalty
+    shapes the rewards of responses near the limit; overlong filtering masks the truncated ones."""
+    out = tmp_path / "run"
+    config = run_config(assets, out, total_steps=3, save_every=0, sections={
+        "rollout": {"dynamic_sampling": "filter", "group_size": 2, "segment_tokens": 6},
+        "reward": {**REWARD, "overlong_buffer_tokens": 3, "overlong_penalty": 0.5},
+        "actor": {"optim": {"lr": 1e-3}, "n_minibatches": 2, "max_tokens_per_microbatch": 256,
+                  "vocab_divisible_by": 64, "overlong_filter": True}})
+    proc = start_train(config, assets, "eval.every_n_steps=0")
+    log = finish(proc)
+    assert proc.returncode == 0, log[-4000:]
+    records = _steps(out)
+    assert sum(r["experience/num_groups_filtered"] for r in records) > 0
+    assert all("rollout/refill_rounds" not in r for r in records)
+    for r in records:  # a random model runs to the 6-token limit: penalised by 0.5, masked out of the loss
+        assert r["experience/num_groups"] + r["experience/num_groups_filtered"] == 3
+        assert r["reward/num_overlong_penalized"] > 0 and -0.5 <= r["reward/overlong_penalty_mean"] < 0
+        if r["train/updated"]:
+            assert r["experience/num_zero_variance_groups"] == 0
+            assert 0 < r["actor/overlong_filtered_frac"] <= 1
 
 
 def test_resume_mid_refill_draws_the_same_prompts(assets, tmp_path):
