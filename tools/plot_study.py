@@ -169,7 +169,7 @@ def _algorithms_table(runs: dict[str, list[list[dict]]]) -> list[str]:
     trained per updated step, zero-variance share, refill rounds and cap hits per step, wall time."""
     lines = ["| arm | eval before | eval after (mean of last 2 evals) | after - before | entropy last 10 | "
              "rho before / after | updated steps | groups / updated step | zero-var share | refill rounds / step | "
-             "refill cap hits | wall min |", "|---|" + "---|" * 12]
+             "refill cap hits | wall min |", "|---|" + "---|" * 11]
     for name, seeds in runs.items():
         cols: dict[str, list[float]] = {k: [] for k in ("before", "after", "gain", "entropy", "rho_b", "rho_a", "updated",
                                                           "groups", "zero", "refill", "caps", "wall")}
