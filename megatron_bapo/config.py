@@ -313,6 +313,9 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
         data = loaded or {}
     data = apply_overrides(data, overrides)
+    rollout = data.get("rollout")
+    if isinstance(rollout, dict) and rollout.get("dynamic_sampling") is False:
+        rollout["dynamic_sampling"] = "off"  # YAML 1.1 reads an unquoted `off` as false
     if "filter_uniform_groups" in (data.get("advantage") or {}):
         raise ConfigError("advantage.filter_uniform_groups was replaced by rollout.dynamic_sampling: filter (the same "
                           "drop of groups with equal rewards; refill draws more prompts instead); remove the key")

@@ -93,6 +93,10 @@ def test_the_new_losses_and_dynamic_sampling_load_with_workable_settings():
     for loss in ("sapo", "cispo", "dppo"):
         assert load_run_config(None, BASE + [f"actor.policy_loss={loss}", "bapo_preset=grpo"]).actor.policy_loss == loss
     assert load_run_config(None, BASE).rollout.dynamic_sampling == "off"  # today's behaviour by default
+    # An unquoted `off` is YAML's false: it means "off", in a file and on the command line.
+    assert load_run_config(None, BASE + ["rollout.dynamic_sampling=off"]).rollout.dynamic_sampling == "off"
+    with pytest.raises(ConfigError, match="rollout.dynamic_sampling"):
+        load_run_config(None, BASE + ["rollout.dynamic_sampling=on"])
 
 
 def test_workable_sync_combinations_and_neutral_penalties_load():
