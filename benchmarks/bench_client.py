@@ -73,7 +73,7 @@ def main() -> None:
                 results["raw"] = min(results["raw"], asyncio.run(raw(server.url, n, args.concurrency, args.tokens)))
                 results["client"] = min(results["client"], client.run(via_client(client, n, args.tokens)))
                 t0 = time.perf_counter()
-                groups = manager.step(prompts, 0)
+                groups = manager.step(prompts, 0).groups
                 results["manager"] = min(results["manager"], time.perf_counter() - t0)
                 assert len(groups) == len(prompts)
     print(f"{n} requests, concurrency {args.concurrency}, {args.tokens} tokens/reply (in-process stand-in server)")

@@ -24,6 +24,7 @@ from megatron_bapo.algorithms.config import BapoConfig
 from megatron_bapo.config_io import ConfigError, apply_overrides, from_dict, to_dict
 from megatron_bapo.data.config import DatasetConfig
 from megatron_bapo.eval.config import EvalConfig
+from megatron_bapo.rollout.agent import AgentConfig
 from megatron_bapo.rollout.config import PartialRolloutConfig, RolloutClientConfig
 from megatron_bapo.sync.config import SyncConfig
 
@@ -68,6 +69,11 @@ class TrainerConfig:
     log_level: str = "INFO"
     """Level of `<output_dir>/logs/train.log` (rank 0's full log: DEBUG, INFO, WARNING or ERROR);
     the console shows warnings and errors, the progress bar and the `console_every` lines."""
+    cpu_group_timeout_minutes: int = 360
+    """Timeout of the gloo group every rank uses for objects: the scatter of each step's batch and the
+    decisions rank 0 broadcasts. The other ranks wait in it while rank 0 alone generates a rollout
+    round, evaluates or writes its part of a checkpoint: minutes at 32B and 64k tokens, so the
+    default is 6 hours (torch's default, 30 minutes, would end a slow step in a timeout)."""
     max_steps_without_update: Optional[int] = None
     """The run stops (`progress error:`, exit 2, naming the last steps' reasons: stale groups
     regenerated, no group finished, groups filtered or failed) after this many consecutive steps
@@ -84,6 +90,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
         if self.console_every < 0:
             raise ConfigError(f"trainer.console_every must be >= 0, got {self.console_every}")
+        if self.cpu_group_timeout_minutes < 1:
+            raise ConfigError(f"trainer.cpu_group_timeout_minutes must be >= 1, got {self.cpu_group_timeout_minutes}")
         if self.async_steps < 0:
             raise ConfigError(f"trainer.async_steps must be >= 0, got {self.async_steps}")
         if self.max_steps_without_update is not None and self.max_steps_without_update < 0:
@@ -138,6 +146,9 @@ class RolloutConfig(PartialRolloutConfig):
     max_refill_rounds: int = 8
     """With `dynamic_sampling: refill`, extra rollout rounds per step at most; a step that reaches it
     trains what it has and logs `rollout/refill_cap_hit` = 1."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollouts with tools (`rollout.agent.tools`, docs/rollout.md#multi-turn-rollouts-with-tools);
+    no tools: single-turn. Evaluation runs the same agent loop."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

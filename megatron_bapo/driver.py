@@ -7,15 +7,15 @@ the rollout servers or the disk on behalf of the whole job lives here, on global
     driver.start(saved_state, step=.., version=.., ...)  # resume checks, servers + client, data, rollout, writers
     driver.start_rollout()                    # once the servers hold the weights to sample from
     batch, metrics = driver.next_batch(step, version)   # a finished round -> rewards -> actor batch
-    with driver.weight_update(version) as sink:         # delivery (sync.delivery): pause, session, flush
+    with driver.weight_update(version) as sink:         # the pool's update: pause, session, flush, version
         export.run(version, sink)                       # every rank gathers; rank 0's sink delivers
     driver.evaluate(step); driver.log(step, metrics)
     driver.state_dict()                       # data position, partial-rollout buffer, rounds ahead
     driver.close()
 
-The servers and the client belong to `rollout.pool.ServerPool`; every call that brings weights to
-them, to `sync.delivery.WeightDelivery`. On actor ranks above 0 a `Follower` holds the driver's
-place, so the trainer's loop has no rank branches around the sync.
+The servers, the client and every call that reaches the servers (restarts, pauses, weight updates,
+the served version) belong to `rollout.pool.ServerPool`. On actor ranks above 0 a `Follower` holds
+the driver's place, so the trainer's loop has no rank branches around the sync.
 
 Rollout runs through `rollout.RolloutProducer`: with `trainer.async_steps` = 0 it produces each
 round when the trainer asks for it (the synchronous loop); with k > 0 it runs k rounds ahead. A round
@@ -41,8 +41,8 @@ from megatron_bapo.experience import build_experience
 from megatron_bapo.logs import CONSOLE
 from megatron_bapo.metrics import MetricsWriter
 from megatron_bapo.run_state import CheckpointError
-from megatron_bapo.rollout.pool import ServerPool, required_server_flags
-from megatron_bapo.sync.delivery import NullDelivery, WeightDelivery
+from megatron_bapo.rollout.pool import ServerPool
+from megatron_bapo.sync.export import NullSink
 
 logger = logging.getLogger(__name__)
 console = logging.getLogger(CONSOLE)
@@ -58,10 +58,11 @@ class Driver:
         self.config = config
         self.output_dir = output_dir
         self.pool: Optional[ServerPool] = None
-        """The servers (started or external) and the one client; `client` is `pool.client`."""
-        self.delivery: Optional[WeightDelivery] = None
+        """The servers (started or external), the one client, the served version; `client` is `pool.client`."""
         self.client: Any = None
         self.producer: Any = None
+        self.agent: Any = None
+        """The agent loop of multi-turn rollouts with tools (`rollout.agent`), None for single-turn."""
         self.writer: Optional[MetricsWriter] = None
         self.record: dict[str, Any] = {}
         """What this run's checkpoints record about it (`run_record`), saved as trainer.json's "run"."""
@@ -76,6 +77,7 @@ class Driver:
         from megatron_bapo.data import PromptDataset
         from megatron_bapo.experience import score_groups
         from megatron_bapo.rollout import PartialRolloutManager
+        from megatron_bapo.rollout.agent import AgentLoop
         from megatron_bapo.rollout.dynamic_sampling import DynamicSampler, manager_round, requeue_into
         from megatron_bapo.rollout.producer import RolloutProducer
 
@@ -88,24 +90,25 @@ class Driver:
                 console.info("resume: %s", note)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
-        flags = required_server_flags(deterministic_inference=ro.deterministic_inference, pause_mode=cfg.sync.pause_mode,
-                                      routed_experts=ro.return_routed_experts)
         self.routed_experts_shape = _routing_shape(cfg.model.hf_path) if ro.return_routed_experts else None
-        self.pool = ServerPool(ro, model_path=cfg.model.hf_path, seed=cfg.trainer.seed,
+        self.pool = ServerPool(ro, cfg.sync, model_path=cfg.model.hf_path, seed=cfg.trainer.seed,
                                log_dir=self.output_dir / "logs", state_path=self.output_dir / "servers.json",
-                               server_flags=tuple(flags), weight_version=version, vocab_size=int(hf_config.vocab_size))
+                               weight_version=version, vocab_size=int(hf_config.vocab_size))
         self.client = self.pool.start()
-        self.delivery = WeightDelivery(cfg.sync, self.pool, deterministic_inference=ro.deterministic_inference)
         self._check_context()
+        # Multi-turn with tools: one agent loop (and its tool workers) for rollout and evaluation.
+        self.agent = AgentLoop(ro.agent, self.tokenizer) if ro.agent.enabled else None
         # Per-request seeds only where the servers honour them (SGLang: --enable-deterministic-inference).
-        manager = PartialRolloutManager(self.client, ro, seed=cfg.trainer.seed if ro.deterministic_inference else None)
+        manager = PartialRolloutManager(self.client, ro, seed=cfg.trainer.seed if ro.deterministic_inference else None,
+                                        agent=self.agent)
+        self._score = functools.partial(score_groups, tokenizer=self.tokenizer, reward_cfg=cfg.reward,
+                                        max_response_tokens=ro.max_response_tokens)
         self.sampler = DynamicSampler(
             mode=ro.dynamic_sampling, prompts_per_step=ro.prompts_per_step, max_refill_rounds=ro.max_refill_rounds,
             draw=self.dataset.next_batch, advance=manager_round(manager), requeue=requeue_into(manager),
-            score=functools.partial(score_groups, tokenizer=self.tokenizer, reward_cfg=cfg.reward,
-                                    max_response_tokens=ro.max_response_tokens))
+            score=self._score)
         self.producer = RolloutProducer(self.client, manager, self.sampler.produce, ahead=cfg.trainer.async_steps,
-                                        version=version)
+                                        served_version=lambda: self.pool.version, interrupt=self.sampler.interrupt)
         if state:
             try:
                 self.dataset.load_state_dict(state["data"])
@@ -124,11 +127,17 @@ class Driver:
         """What would otherwise fail only after the model loads (minutes on a cluster): paths and the
         reward functions. Errors name the field and are one line."""
         from megatron_bapo.rewards import load_reward_fn
+        from megatron_bapo.rollout.tools import ToolSpecError, load_tool_fn
 
         cfg = self.config
         if not Path(cfg.data.path).exists():
             raise ConfigError(f"data.path={cfg.data.path!r} does not exist")
         load_reward_fn(cfg.reward.fn)  # RewardSpecError naming reward.fn
+        for i, tool in enumerate(cfg.rollout.agent.tools):
+            try:
+                load_tool_fn(tool.fn)
+            except ToolSpecError as exc:
+                raise ConfigError(f"rollout.agent.tools[{i}].fn={tool.fn!r}: {exc}") from None
         if cfg.eval.every_n_steps and cfg.eval.datasets:
             for i, ds in enumerate(cfg.eval.datasets):
                 if not Path(ds.path).exists():
@@ -172,18 +181,25 @@ class Driver:
 
     @contextlib.contextmanager
     def weight_update(self, version: int) -> Iterator[Any]:
-        """Rank 0's half of a weight sync: a context whose sink delivers the export to every server
-        (`sync.delivery`); the producer uses `version` for new rounds once it succeeded."""
-        with self.delivery.update(version) as session:
+        """Rank 0's half of a weight sync: the pool's update, whose session delivers the export to
+        every server; new rounds use `version` once it succeeded (`pool.version`)."""
+        with self.pool.update(version) as session:
             yield session
-        self.producer.publish(version)
+
+    def begin_stop(self) -> None:
+        """The run is ending (called from the SIGTERM handler, before the teardown): every call to the
+        servers from now on is one short attempt, never a retry against a dead port."""
+        for client in (self.client, self.pool.client if self.pool is not None else None):  # pool's: while starting
+            if client is not None:
+                client.stopping = True
 
     def close(self) -> None:
         """Stop producing, leave the weight group, stop the servers (by PID), close the writer."""
+        self.begin_stop()
         if self.producer is not None:
             self.producer.stop()
-        if self.delivery is not None:
-            self.delivery.close()
+        if self.agent is not None:
+            self.agent.close()
         if self.pool is not None:
             self.pool.close()
         if self.writer is not None:
@@ -197,20 +213,15 @@ class Driver:
         produced again: its samples stayed buffered); a round whose requests the servers mostly
         rejected stops the run with their message (`rollout.max_failed_group_rate`).
         """
-        from megatron_bapo.rollout.errors import RolloutError
-
         cfg = self.config
-        while True:
-            self.pool.ensure_alive()
-            try:
-                done, waited = self.producer.next(version)
-                break
-            except RolloutError:
-                if not self.pool.any_dead():
-                    raise  # external servers (named in the error), or no dead built-in server to restart
-                self.producer.restart()
+        self.pool.ensure_alive()
+        done, waited = self.pool.retry_after_restart(lambda: self.producer.next(version),
+                                                     before_retry=self.producer.restart)
         self._check_rejections(done)
         t0 = time.monotonic()
+        unscored = [g for g in done.groups if any(s.reward is None for s in g.samples)]
+        if unscored:  # rounds saved ahead by a checkpoint written before rewards moved to rollout time
+            done.metrics.update(self._score(unscored).metrics())
         batch, metrics = build_experience(done.groups, self.tokenizer, cfg.advantage,
                                           n_minibatches=cfg.actor.n_minibatches,
                                           temperature=cfg.rollout.sampling.temperature,
@@ -235,19 +246,21 @@ class Driver:
                 f"rollout.max_failed_group_rate={self.config.rollout.max_failed_group_rate} to train on regardless")
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Validation on `eval.datasets` through the same servers and client."""
+        """Validation on `eval.datasets` through the same servers and client (and the agent loop,
+        with its tools, when rollouts are multi-turn)."""
         from megatron_bapo.eval import run_evaluation
 
         return self.client.run(run_evaluation(self.client, self.tokenizer, self.config.eval,
-                                              output_dir=self.output_dir / "eval", step=step))
+                                              output_dir=self.output_dir / "eval", step=step, agent=self.agent))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.writer.log(step, metrics)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, step: int, version: int) -> dict[str, Any]:
-        """Everything rank 0 needs to resume: taken with the producer paused between rounds."""
-        self.producer.pause()
+        """Everything rank 0 needs to resume: taken with the producer paused between rounds; the round in
+        flight (rollout ahead of training) is aborted with its tokens kept, not drained."""
+        self.producer.pause(abort=True)
         try:
             return {"step": step, "version": version, "data": self.dataset.state_dict(),
                     "rollout": self.producer.manager.state_dict(), "rounds": self.producer.state_dict(),
@@ -275,19 +288,18 @@ class Follower:
 
     leads = False
 
-    def __init__(self) -> None:
-        self.delivery = NullDelivery()
-
     def next_batch(self, step: int, version: int) -> tuple[None, dict[str, float]]:
         return None, {}
 
     @contextlib.contextmanager
     def weight_update(self, version: int) -> Iterator[Any]:
-        with self.delivery.update(version) as sink:
-            yield sink
+        yield NullSink()  # this rank takes part in the export's gathers; rank 0 delivers
 
     def evaluate(self, step: int) -> dict[str, float]:
         return {}
+
+    def begin_stop(self) -> None:
+        return None
 
     def close(self) -> None:
         return None

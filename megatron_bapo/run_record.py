@@ -26,6 +26,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_bapo.resume_policy import APPLIED, PATH_FIELDS, POLICY, REFUSED, SILENT
+
 DATA_PROBE_BYTES = 1 << 20
 """Bytes hashed at each end of the data file: a different file is caught without reading all of it."""
 DATA_KEYS = ("prompt_key", "answer_key", "apply_chat_template", "system_prompt", "max_prompt_tokens", "max_rows")
@@ -55,6 +57,63 @@ def data_fingerprint(path: str | Path) -> dict[str, Any]:
     return {"path": str(path.absolute()), "size": size, "sha256_head_tail": digest.hexdigest()}
 
 
+WEIGHT_PROBE_TENSORS = 3
+WEIGHT_PROBE_BYTES = 1 << 20
+
+
+def weights_fingerprint(hf_path: str | Path) -> dict[str, Any]:
+    """Identity of the initial weights in `hf_path`, cheap at any size: the names, dtypes and shapes
+    of every tensor (from the safetensors headers) and the sha256 of the first and last
+    `WEIGHT_PROBE_BYTES` of `WEIGHT_PROBE_TENSORS` tensors (the first, middle and last by name).
+    Two models of the same shapes (another seed, another fine-tune) differ in those bytes; the same
+    files copied elsewhere do not. Without safetensors (a `.bin` checkpoint) the head and tail of
+    each weight file are hashed instead."""
+    import struct
+
+    root = Path(hf_path)
+    files = sorted(root.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    if not files:
+        files = sorted(root.glob("*.bin")) + sorted(root.glob("*.pt"))
+        for path in files:
+            digest.update(path.name.encode())
+            digest.update(data_fingerprint(path)["sha256_head_tail"].encode())
+        return {"sha256": digest.hexdigest(), "num_tensors": None, "files": len(files)}
+    tensors: dict[str, tuple[Path, int, dict]] = {}
+    for path in files:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        for name, entry in header.items():
+            tensors[name] = (path, 8 + size, entry)
+    names = sorted(tensors)
+    for name in names:
+        entry = tensors[name][2]
+        digest.update(f"{name}:{entry['dtype']}:{entry['shape']};".encode())
+    probes = sorted({names[0], names[len(names) // 2], names[-1]}) if names else []
+    for name in probes[:WEIGHT_PROBE_TENSORS]:
+        path, base, entry = tensors[name]
+        start, end = (base + int(x) for x in entry["data_offsets"])
+        with open(path, "rb") as f:
+            f.seek(start)
+            digest.update(f.read(min(WEIGHT_PROBE_BYTES, end - start)))
+            if end - start > WEIGHT_PROBE_BYTES:
+                f.seek(max(end - WEIGHT_PROBE_BYTES, start + WEIGHT_PROBE_BYTES))
+                digest.update(f.read(end - f.tell()))
+    return {"sha256": digest.hexdigest(), "num_tensors": len(names), "probed": probes}
+
+
+def config_record(config: Any) -> dict[str, Any]:
+    """The resolved config as `{dotted field: value}`, JSON-safe, the API key left out."""
+    from megatron_bapo.config_io import to_dict
+    from megatron_bapo.resume_policy import flatten
+
+    flat = flatten(json.loads(json.dumps(to_dict(config))))
+    flat.pop("rollout.client.api_key", None)
+    return flat
+
+
 def describe(config: Any, hf_config: Any, *, world_size: int) -> dict[str, Any]:
     """The record of this run (JSON-safe): see the module docstring for what and why."""
     from megatron_bapo.models.registry import model_args_from_hf
@@ -69,8 +128,21 @@ def describe(config: Any, hf_config: Any, *, world_size: int) -> dict[str, Any]:
         "optimizer": {"distributed": config.actor.use_distributed_optimizer, "name": config.actor.optim.name},
         "layout": {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "cp": par.cp,
                    "dp": world_size // (par.tp * par.pp * par.cp)},
+        "weights": {"path": str(Path(config.model.hf_path).absolute()), **weights_fingerprint(config.model.hf_path)},
+        "config": config_record(config),
     }
     return json.loads(json.dumps(record))
+
+
+_LAYOUT_FIELDS = tuple(f"actor.parallel.{k}" for k in ("tp", "pp", "cp", "vpp"))
+
+
+def _changed_fields(old: Optional[dict[str, Any]], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (old, new)} for every field whose recorded value differs (fields the checkpoint did
+    not record, added since, are not listed)."""
+    if not old:
+        return {}
+    return {k: (old[k], v) for k, v in new.items() if k in old and old[k] != v}
 
 
 def check_resume(saved: Optional[dict[str, Any]], current: dict[str, Any], ckpt: str | Path) -> list[str]:
@@ -101,14 +173,35 @@ def check_resume(saved: Optional[dict[str, Any]], current: dict[str, Any], ckpt:
     if changed:
         diffs = ", ".join(f"{k} {old_model[k]} -> {new_model[k]}" for k in changed)
         refused.append(f"model.hf_path: another architecture or shape than the checkpoint's weights ({diffs})")
+    old_weights, new_weights = saved.get("weights"), current["weights"]
+    if old_weights and not changed and old_weights.get("sha256") != new_weights["sha256"]:
+        refused.append(f"model.hf_path: {new_weights['path']} holds other weights than the model this run started "
+                       f"from ({old_weights.get('path')}; fingerprint {str(old_weights.get('sha256'))[:12]} -> "
+                       f"{new_weights['sha256'][:12]}), so the checkpoint's weights would silently replace them")
+    elif old_weights and old_weights.get("path") != new_weights["path"]:
+        notes.append(f"model moved: {old_weights.get('path')} -> {new_weights['path']} (same weights)")
     names = {"distributed": "actor.use_distributed_optimizer", "name": "actor.optim.name"}
     for key, field in names.items():
         old_value = saved.get("optimizer", {}).get(key)
         if old_value is not None and old_value != current["optimizer"][key]:
             refused.append(f"{field} {old_value} -> {current['optimizer'][key]} (the saved optimizer state has "
                            f"another layout)")
+    changed_fields = _changed_fields(saved.get("config"), current["config"])
+    reported = {r.split(" ", 1)[0].rstrip(":") for r in refused}
+    for name, (old_value, new_value) in changed_fields.items():
+        kind, how = POLICY[name] if name in POLICY else (APPLIED, "not recorded by this version's table")
+        if name in PATH_FIELDS or name in SILENT or name in _LAYOUT_FIELDS:
+            continue  # by content above, changed by nature, or the one layout line below
+        if kind == REFUSED:
+            if name not in reported:
+                refused.append(f"{name} {old_value!r} -> {new_value!r} ({how})")
+        else:
+            notes.append(f"{name} {old_value!r} -> {new_value!r} ({how})")
     if refused:
         raise CheckpointError(f"cannot resume from {ckpt}: " + "; ".join(refused) + f". {WAY_OUT}")
+    if saved.get("config") is None:
+        notes.append(f"{Path(ckpt).name} was written before checkpoints recorded their config: changed settings "
+                     f"are applied without a line each")
     old_layout = saved.get("layout", {})
     if old_layout and any(old_layout.get(k) != current["layout"][k] for k in LAYOUT_KEYS):
         def show(layout: dict) -> str:

@@ -3,12 +3,15 @@
     <output_dir>/checkpoints/step_000010/actor/          megatron dist checkpoint (Actor.save_checkpoint)
     <output_dir>/checkpoints/step_000010/trainer.json    step, policy version, data position,
                                                          partial-rollout buffer, RNG, config
+    <output_dir>/checkpoints/step_000010/trainer_arrays.bin  the buffer's token ids, log-probs and
+                                                         versions, binary (`state_io`)
     <output_dir>/checkpoints/step_000010/manifest.json   path, size and sha256 of every other file in
                                                          the step directory (actor/ included); written last
     <output_dir>/checkpoints/latest                      name of the newest checkpoint written
 
-Writing (`save_trainer_state`, after the actor's own atomic save): `trainer.json` (temp file +
-`os.replace`), then the manifest (same), then `latest`. The manifest is the completion marker: a
+Writing (after the actor's own atomic save): `trainer.json` (temp file + `os.replace`), every rank
+hashes the files it wrote (`manifest.hash_own_files`), rank 0 writes the merged manifest (same), then
+`latest`; old checkpoints are deleted in the background (`prune_checkpoints`). The manifest is the completion marker: a
 process killed at any point leaves the previous checkpoint as the resume point, and samples drawn
 after it are drawn again on resume (same data order), none is lost or trained twice.
 
@@ -22,36 +25,44 @@ no `checkpoint_format` in trainer.json) still loads, unverified, with a warning;
 trainer.json announces a manifest that is missing was interrupted and is skipped.
 
 Cost: hashing reads the whole checkpoint once at save (just written, so mostly from the page cache)
-and once per resume; files are hashed in parallel threads (hashlib releases the GIL) in 4 MiB chunks.
+and once per resume, spread over every rank of the job (`megatron_bapo.manifest`); within a rank
+files are hashed in parallel threads (hashlib releases the GIL) in 4 MiB chunks.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
+from megatron_bapo.manifest import (  # noqa: F401 - the manifest's names, as the tests and tools know them
+    FORMAT_KEY,
+    HASH_CHUNK_BYTES,
+    MANIFEST,
+    TRAINER_STATE,
+    Hashed,
+    hash_file,
+    hash_own_files,
+    verify_checkpoint,
+    write_manifest,
+)
+from megatron_bapo.state_io import dump_state, load_state
+
 logger = logging.getLogger(__name__)
 
-TRAINER_STATE = "trainer.json"
-MANIFEST = "manifest.json"
 LATEST = "latest"
-FORMAT_KEY = "checkpoint_format"
 FORMAT = 2
 """Written into trainer.json: 2 = a manifest follows (1, or absent: older checkpoints without one)."""
-HASH_CHUNK_BYTES = 4 << 20
-HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -90,109 +101,25 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 
 def save_trainer_state(ckpt_dir: Path, state: dict[str, Any]) -> None:
-    """Complete a checkpoint whose actor files are written (rank 0 only): `trainer.json`, then the
-    manifest of the whole step directory, then the `latest` pointer."""
-    state = {**state, "rng": _rng_state(), FORMAT_KEY: FORMAT}
-    write_json_atomic(ckpt_dir / TRAINER_STATE, state)
-    write_manifest(ckpt_dir)
-    latest = ckpt_dir.parent / LATEST
+    """Complete a checkpoint whose actor files are written, in one process: `write_trainer_state`,
+    the manifest of every file hashed here, `latest`. The trainer runs the same steps with the hashing
+    spread over its ranks (`Trainer.save_checkpoint`)."""
+    write_trainer_state(ckpt_dir, state)
+    finish_checkpoint(ckpt_dir, None)
+
+
+def write_trainer_state(ckpt_dir: Path, state: dict[str, Any]) -> None:
+    """Rank 0: `trainer.json` (with its binary side file for the rollout buffer: `state_io`)."""
+    dump_state(Path(ckpt_dir) / TRAINER_STATE, {**state, "rng": _rng_state(), FORMAT_KEY: FORMAT})
+
+
+def finish_checkpoint(ckpt_dir: Path, hashed: Optional[Hashed]) -> None:
+    """Rank 0: the manifest from the ranks' merged hashes (None: hash here), then the `latest` pointer."""
+    write_manifest(ckpt_dir, hashed)
+    latest = Path(ckpt_dir).parent / LATEST
     tmp = latest.with_name(LATEST + ".tmp")
-    tmp.write_text(ckpt_dir.name, encoding="utf-8")
+    tmp.write_text(Path(ckpt_dir).name, encoding="utf-8")
     os.replace(tmp, latest)
-
-
-# ---------------------------------------------------------------------------- manifest
-def hash_file(path: Path) -> tuple[int, str]:
-    """(size in bytes, sha256 hex) of a file, read in `HASH_CHUNK_BYTES` chunks."""
-    digest, size = hashlib.sha256(), 0
-    buf = bytearray(HASH_CHUNK_BYTES)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            digest.update(view[:n])
-            size += n
-    return size, digest.hexdigest()
-
-
-def _hash_all(root: Path, rel_paths: list[str]) -> dict[str, tuple[int, str]]:
-    """Hash files in parallel, largest first (hashlib releases the GIL on large updates)."""
-    order = sorted(rel_paths, key=lambda r: -(root / r).stat().st_size)
-    with ThreadPoolExecutor(min(HASH_THREADS, max(1, len(order)))) as pool:
-        return dict(zip(order, pool.map(lambda r: hash_file(root / r), order)))
-
-
-def _checkpoint_files(ckpt_dir: Path) -> list[str]:
-    """Every file under `ckpt_dir` (relative, '/'-separated) except the manifest and temp files."""
-    out = []
-    for path in ckpt_dir.rglob("*"):
-        rel = path.relative_to(ckpt_dir).as_posix()
-        if path.is_file() and rel != MANIFEST and not rel.endswith(".tmp"):
-            out.append(rel)
-    return sorted(out)
-
-
-def write_manifest(ckpt_dir: Path) -> dict[str, Any]:
-    """Hash every file of a written checkpoint and write `manifest.json` atomically; returns it."""
-    ckpt_dir = Path(ckpt_dir)
-    start = time.monotonic()
-    hashed = _hash_all(ckpt_dir, _checkpoint_files(ckpt_dir))
-    files = {rel: {"size": size, "sha256": digest} for rel, (size, digest) in sorted(hashed.items())}
-    manifest = {"format": 1, "algorithm": "sha256", "files": files}
-    write_json_atomic(ckpt_dir / MANIFEST, manifest)
-    seconds = time.monotonic() - start
-    num_bytes = sum(f["size"] for f in files.values())
-    logger.info("checkpoint manifest %s: %d files, %.1f MB hashed in %.2f s (%.0f MB/s)", ckpt_dir / MANIFEST,
-                len(files), num_bytes / 1e6, seconds, num_bytes / 1e6 / max(seconds, 1e-9))
-    return manifest
-
-
-def verify_checkpoint(ckpt_dir: str | Path) -> Optional[str]:
-    """None when `ckpt_dir` can be resumed from, else why not (naming the file, one line).
-
-    With a manifest: every listed file must exist with its size (checked for all files first) and
-    its sha256. Without one: trainer.json must parse and must not announce a manifest (format 2 =
-    the save was interrupted before completing); a checkpoint from before manifests is accepted
-    unverified (the caller warns). A reason starting with "incomplete" means an interrupted save,
-    anything else damage.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    manifest_path = ckpt_dir / MANIFEST
-    if not manifest_path.exists():
-        state_path = ckpt_dir / TRAINER_STATE
-        if not state_path.exists():
-            return f"incomplete: no {TRAINER_STATE} (the save was interrupted)"
-        try:
-            state = json.loads(state_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            return f"{TRAINER_STATE} is unreadable ({type(exc).__name__}: {exc})"
-        if not isinstance(state, dict) or not isinstance(state.get(FORMAT_KEY, 1), int):
-            return f"{TRAINER_STATE} is not a trainer state (not an object, or a bad {FORMAT_KEY})"
-        if state.get(FORMAT_KEY, 1) >= 2:
-            return f"incomplete: no {MANIFEST} (the save was interrupted after {TRAINER_STATE})"
-        return None
-    try:
-        files = json.loads(manifest_path.read_text(encoding="utf-8"))["files"]
-        expected = {str(rel): (int(e["size"]), str(e["sha256"])) for rel, e in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return f"{MANIFEST} is unreadable ({type(exc).__name__}: {exc})"
-    try:
-        for rel, (size, _) in sorted(expected.items()):
-            path = ckpt_dir / rel
-            if not path.is_file():
-                return f"{rel} is missing"
-            actual = path.stat().st_size
-            if actual != size:
-                return f"{rel} has {actual} bytes, the manifest says {size} (truncated or rewritten)"
-        hashed = _hash_all(ckpt_dir, sorted(expected))
-    except OSError as exc:
-        return f"a file could not be read ({exc})"
-    for rel, (_, digest) in sorted(expected.items()):
-        if hashed[rel][1] != digest:
-            return f"{rel} does not match its sha256 in the manifest (bytes changed on disk)"
-    return None
 
 
 # ---------------------------------------------------------------------------- resume
@@ -203,22 +130,34 @@ def _step_dirs(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
-    """The newest checkpoint that verifies, or None when there is none to resume from.
+def latest_checkpoint(output_dir: str | Path, group: Any = None) -> Optional[Path]:
+    """The newest checkpoint that verifies, or None when there is none to resume from; the same on
+    every rank of `group` (a CPU/gloo group, collective over it: the ranks hash in parallel,
+    `manifest.verify_checkpoint`; None: this process alone).
 
     Every checkpoint skipped on the way is logged (WARNING, one line, naming the bad file).
     Interrupted saves alone mean a fresh start (None); checkpoints that exist but are damaged, with
     nothing usable older, raise `CheckpointError` naming the directories to remove.
     """
+    import torch.distributed as dist
+
+    leads = group is None or dist.get_rank(group) == 0
+    candidates: list = [_step_dirs(output_dir) if leads else None]
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(candidates, group=group, group_src=0)  # one list, whatever each rank sees
     damaged: list[tuple[Path, str]] = []
-    for ckpt in _step_dirs(output_dir):
-        reason = verify_checkpoint(ckpt)
+    for ckpt in candidates[0]:
+        start = time.monotonic()
+        reason = verify_checkpoint(ckpt, group=group)
         if reason is None:
-            if not (ckpt / MANIFEST).exists():
+            if leads and not (ckpt / MANIFEST).exists():
                 logger.warning("checkpoint %s has no %s (written before checkpoints were verified): resuming "
                                "from it unverified", ckpt, MANIFEST)
+            elif leads:
+                logger.info("checkpoint %s verified in %.2f s", ckpt, time.monotonic() - start)
             return ckpt
-        logger.warning("skipping checkpoint %s: %s", ckpt, reason)
+        if leads:
+            logger.warning("skipping checkpoint %s: %s", ckpt, reason)
         if not reason.startswith("incomplete"):
             damaged.append((ckpt, reason))
     if damaged:
@@ -231,32 +170,20 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
     return None
 
 
-def resume_checkpoint(output_dir: str | Path, group=None) -> Optional[Path]:
-    """`latest_checkpoint` for every rank of `group`: rank 0 of the group verifies (the checkpoint is
-    hashed once, not once per rank) and broadcasts its choice, or its error, over `group` (a CPU/gloo
-    group); every rank then returns the same path or raises the same `CheckpointError`."""
-    import torch.distributed as dist
-
-    if group is None or dist.get_world_size(group) == 1:
-        return latest_checkpoint(output_dir)
-    message: list = [None]
-    if dist.get_rank(group) == 0:
-        try:
-            found = latest_checkpoint(output_dir)
-            message = [("ok", None if found is None else str(found))]
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
-            message = [("error", f"{exc}" if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}")]
-    dist.broadcast_object_list(message, group=group, group_src=0)
-    kind, value = message[0]
-    if kind == "error":
-        raise CheckpointError(value)
-    return None if value is None else Path(value)
+def resume_checkpoint(output_dir: str | Path, group: Any = None) -> Optional[Path]:
+    """`latest_checkpoint` on every rank of `group`: every rank returns the same path or raises the
+    same `CheckpointError`."""
+    return latest_checkpoint(output_dir, group=group)
 
 
-def load_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
-    state = json.loads((ckpt_dir / TRAINER_STATE).read_text(encoding="utf-8"))
+def load_trainer_state(ckpt_dir: Path, *, full: bool = True) -> dict[str, Any]:
+    """Rank 0's trainer state, its Python/numpy RNG restored. `full=False` (ranks above 0, which need
+    only the step and the version): the binary buffer is not read and the RNG is left alone."""
+    state = load_state(Path(ckpt_dir) / TRAINER_STATE, arrays=full)
     state.pop(FORMAT_KEY, None)
-    _set_rng_state(state.pop("rng"))
+    rng = state.pop("rng")
+    if full:
+        _set_rng_state(rng)
     return state
 
 
@@ -291,20 +218,33 @@ def save_failure(ckpt_dir: Path, exc: BaseException, *, kept: Optional[Path]) ->
         return None
     ckpt_dir = Path(ckpt_dir)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
-    probe = ckpt_dir
+    free = free_bytes(ckpt_dir)
+    return CheckpointError(f"saving checkpoint {ckpt_dir} failed: {cause}; {free} bytes ({free / 2**20:.1f} MiB) are "
+                           f"free there after removing the partial save; {resume_point(kept, ckpt_dir.parent)}. Free "
+                           f"disk space (or lower trainer.keep_checkpoints) and rerun with --resume")
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free on the filesystem of `path` (or of its nearest existing parent)."""
+    probe = Path(path)
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    what = (f"the newest complete checkpoint {kept} is kept, and --resume continues from it" if kept is not None
-            else "this run has no complete checkpoint yet (--resume takes the newest complete one in "
-                 f"{ckpt_dir.parent}, or starts from model.hf_path)")
-    return CheckpointError(f"saving checkpoint {ckpt_dir} failed: {cause}; {free} bytes ({free / 2**20:.1f} MiB) are "
-                           f"free there after removing the partial save; {what}. Free disk space (or lower "
-                           f"trainer.keep_checkpoints) and rerun with --resume")
+    return shutil.disk_usage(probe).free
 
 
-_TORCH_WRITE_FAILURES = ("unexpected pos", "iostream error", "PytorchStreamWriter failed writing")
-"""How torch's file writers word a failed write (a full disk, a quota), without the errno."""
+def resume_point(kept: Optional[Path], checkpoints: Path) -> str:
+    """Where `--resume` continues after a failure that left `kept` the newest complete checkpoint."""
+    if kept is not None:
+        return f"the newest complete checkpoint {kept} is kept, and --resume continues from it"
+    return (f"this run has no complete checkpoint yet (--resume takes the newest complete one in {checkpoints}, "
+            f"or starts from model.hf_path)")
+
+
+_TORCH_WRITE_FAILURES = ("unexpected pos", "iostream error", "PytorchStreamWriter failed writing",
+                         "No space left on device", "Disk quota exceeded", "StorageFull")
+"""How torch's and safetensors' file writers word a failed write (a full disk, a quota), without an
+OSError (safetensors: `SafetensorError: Error while serializing: IoError(Os { code: 28, kind:
+StorageFull, message: "No space left on device" })`)."""
 
 
 def write_failure_of(exc: BaseException) -> Optional[str]:
@@ -324,7 +264,7 @@ def write_failure_of(exc: BaseException) -> Optional[str]:
         marker = next((m for m in _TORCH_WRITE_FAILURES if m in text), None)
         if marker is not None:
             line = text[text.find(marker):].splitlines()[0][:80]
-            return f"torch's file writer failed ({line})"
+            return f"the file writer failed ({line})"
         todo += [e.__cause__, e.__context__]
         failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
         if isinstance(failures, dict):  # rank -> exception, or (exception, traceback)
@@ -333,18 +273,44 @@ def write_failure_of(exc: BaseException) -> Optional[str]:
     return None
 
 
-def prune_checkpoints(output_dir: str | Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints (never the one `latest` names). Runs after every
-    save, so it only looks at completion markers; it never hashes."""
-    if keep <= 0:
-        return
+DELETING = ".deleting"
+"""Under `checkpoints/`: old checkpoints renamed here (instant) and deleted in a background thread."""
+
+
+def prune_checkpoints(output_dir: str | Path, keep: int) -> Optional[threading.Thread]:
+    """Delete all but the newest `keep` checkpoints (never the one `latest` names), off the critical
+    path: each is renamed into `checkpoints/.deleting/` (one metadata operation; no longer a step
+    directory, so never resumed from) and removed by a daemon thread, returned (None: nothing to do).
+    Whatever a killed run left in `.deleting/` goes too. It only looks at completion markers; it never hashes."""
     root = Path(output_dir) / "checkpoints"
-    pointer = root / LATEST
-    current = root / pointer.read_text(encoding="utf-8").strip() if pointer.exists() else None
-    complete = [p for p in reversed(_step_dirs(output_dir)) if (p / MANIFEST).exists() or (p / TRAINER_STATE).exists()]
-    for old in complete[:-keep]:
-        if old != current:
-            shutil.rmtree(old, ignore_errors=True)
+    trash = root / DELETING
+    doomed = [p for p in trash.iterdir()] if trash.is_dir() else []
+    if keep > 0:
+        pointer = root / LATEST
+        current = root / pointer.read_text(encoding="utf-8").strip() if pointer.exists() else None
+        complete = [p for p in reversed(_step_dirs(output_dir))
+                    if (p / MANIFEST).exists() or (p / TRAINER_STATE).exists()]
+        for old in complete[:-keep]:
+            if old != current:
+                trash.mkdir(exist_ok=True)
+                aside = trash / f"{old.name}.{os.getpid()}.{time.monotonic_ns()}"
+                try:
+                    old.rename(aside)
+                except OSError:
+                    continue
+                doomed.append(aside)
+    if not doomed:
+        return None
+
+    def delete() -> None:
+        start = time.monotonic()
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+        logger.info("deleted %d old checkpoint(s) in %.1f s (in the background)", len(doomed), time.monotonic() - start)
+
+    thread = threading.Thread(target=delete, name="checkpoint-prune", daemon=True)
+    thread.start()
+    return thread
 
 
 def _rng_state() -> dict[str, Any]:

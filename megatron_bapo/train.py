@@ -12,9 +12,13 @@ import warnings
 import os
 import sys
 import time
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from megatron_bapo.config_io import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_bapo.config import RunConfig
+    from megatron_bapo.run_lock import RunLock
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +52,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(dump_run_config(config), end="")
         return 0
     rank = int(os.environ.get("RANK", "0"))
+    from megatron_bapo.run_lock import LockError, RunLock
+
+    lock = None
+    if rank == 0:  # before anything is written into trainer.output_dir (the log file is the first)
+        try:
+            lock = RunLock.acquire(config.trainer.output_dir)
+        except LockError as exc:
+            print(f"lock error: {exc}", file=sys.stderr)
+            return 2
+    try:
+        return _train(config, args, rank, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(config: "RunConfig", args: argparse.Namespace, rank: int, lock: Optional["RunLock"]) -> int:
     from megatron_bapo import logs
 
     # Rank 0: everything to <output_dir>/logs/train.log; the console gets warnings, the progress
@@ -56,6 +77,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log = logging.getLogger("megatron_bapo.train")
     log.info("start: pid %d, --config %s (resolved: %s/config.yaml)", os.getpid(), args.config,
              config.trainer.output_dir)
+    if lock is not None and lock.took_over:
+        log.warning(lock.took_over)
     logging.getLogger(logs.CONSOLE).info("megatron_bapo: %d steps into %s (full log: %s)",
                                          config.trainer.total_steps, config.trainer.output_dir, path)
     if config.trainer.log_level.upper() != "DEBUG":
@@ -79,13 +102,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_bapo.rewards import RewardSpecError
     from megatron_bapo.rollout.errors import RolloutError
     from megatron_bapo.run_state import CheckpointError
+    from megatron_bapo.sync.export import ExportWriteError
     from megatron_bapo.trainer import Terminated, Trainer
 
     # Errors that name their fix are one line (the traceback in the log file at DEBUG); anything else
     # is a bug and keeps its traceback.
     kinds = {ConfigError: "config error", RewardSpecError: "config error", CheckpointError: "checkpoint error",
              RewardFailure: "reward error", RolloutError: "rollout error", NoProgressError: "progress error",
-             SkippedStepsError: "training error"}
+             SkippedStepsError: "training error", ExportWriteError: "sync error"}
     started = time.monotonic()
     try:
         history = Trainer(config).run()

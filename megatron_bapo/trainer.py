@@ -4,14 +4,14 @@
         batch   = driver.next_batch()                # rank 0: a finished rollout round -> rewards, advantages
         batch   = scatter(batch)                     # each actor rank gets its own DP/CP slice
         metrics = actor.train_step(batch)            # ppo_epochs x n_minibatches BAPO optimizer steps
-        sync_weights(version)                        # export (every rank) -> delivery (rank 0's servers)
+        sync_weights(version)                        # export (every rank) -> rank 0's server pool
         log(metrics); maybe evaluate
         watchdog.observe(step, metrics)              # no update in trainer.max_steps_without_update steps: stop
         maybe checkpoint
 
 Rank 0 also holds the `Driver` (`megatron_bapo.driver`): the server pool and the rollout client,
 data, the rollout producer (which with `trainer.async_steps` = k keeps k rounds ahead of training),
-rewards, the sample ledger, evaluation, metrics and the delivery of weights to the servers; on the
+rewards, the sample ledger, evaluation, metrics, and the server pool that updates the servers; on the
 other ranks a `Follower` holds its place. All ranks run the actor (TP/PP/CP/DP from
 `actor.parallel`) and the export half of the sync (`megatron_bapo.sync`). The loop is resumable at step
 boundaries: a checkpoint holds the actor (model, optimizer, scheduler, RNG), the data position,
@@ -25,6 +25,7 @@ import contextlib
 import logging
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -127,6 +128,7 @@ class Trainer:
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_term(signum, frame):
+            self.driver.begin_stop()  # the teardown below makes one short attempt per call
             total = self.config.trainer.total_steps
             where = (f"the newest checkpoint, {self.checkpoint.name} ({self.checkpoint})" if self.checkpoint is not None
                      else f"the newest complete checkpoint in {self.output_dir / 'checkpoints'} (this run saved none "
@@ -162,13 +164,14 @@ class Trainer:
             raise ConfigError(f"model.hf_path={hf_path!r} has no config.json; point it at an HF checkpoint directory")
         self.hf_config = AutoConfig.from_pretrained(hf_path)
         groups = initialize_model_parallel(cfg.actor.parallel, seed=cfg.actor.seed)
-        # Objects (the batch, decisions) travel over a CPU group even when the actor uses NCCL.
-        world = groups.world_group
-        self.cpu_group = world if dist.get_backend(world) == "gloo" else dist.new_group(backend="gloo")
+        # Objects (the batch, decisions) travel over a CPU group of their own, even when the actor uses
+        # gloo: its timeout (trainer.cpu_group_timeout_minutes) covers rank 0's rollout, eval and saves.
+        self.cpu_group = dist.new_group(backend="gloo",
+                                        timeout=timedelta(minutes=cfg.trainer.cpu_group_timeout_minutes))
         resume_from = run_state.resume_checkpoint(self.output_dir, group=self.cpu_group) if cfg.trainer.resume else None
         state: dict[str, Any] = {}
         if resume_from is not None:
-            state = run_state.load_trainer_state(resume_from)
+            state = run_state.load_trainer_state(resume_from, full=groups.rank == 0)
             self.step, self.version = int(state["step"]), int(state["version"])
             self.checkpoint = resume_from
             console.info("resuming from %s (step %d of %d)", resume_from, self.step, cfg.trainer.total_steps)
@@ -224,14 +227,23 @@ class Trainer:
 
     def sync_weights(self, version: int) -> None:
         """Push the actor's weights to every server as `version`: every rank exports (gathers, writes
-        or buckets), rank 0's driver delivers (pause, update session, flush, restarts, version)."""
-        with self.driver.weight_update(version) as sink:
-            self.export.run(version, sink)
+        or buckets), rank 0's server pool delivers (pause, update session, flush, restarts, version). A
+        version the disk export cannot write (a full disk) stops the run in one line, like a save."""
+        from megatron_bapo.sync.export import ExportWriteError
+
+        try:
+            with self.driver.weight_update(version) as sink:
+                self.export.run(version, sink)
+        except ExportWriteError as exc:  # every rank raises it; a full disk during a save is handled alike
+            where = run_state.resume_point(self.checkpoint, self.output_dir / "checkpoints")
+            raise ExportWriteError(f"{exc}; {where}. Free disk space (or lower sync.keep_versions) and rerun "
+                                   f"with --resume") from exc
 
     def save_checkpoint(self) -> None:
-        """Actor (every rank), then rank 0's trainer state and manifest. A filesystem error (a full
-        disk) removes the partial save and stops the run with one line naming the path, the bytes
-        free and the checkpoint that is kept (`run_state.save_failure`)."""
+        """Actor (every rank), rank 0's trainer state, every rank hashes its own files, rank 0 writes the
+        merged manifest and `latest` and deletes old checkpoints in the background. A filesystem error
+        (a full disk) removes the partial save and stops the run with one line naming the path, the
+        bytes free and the checkpoint that is kept (`run_state.save_failure`)."""
         ckpt = run_state.checkpoint_dir(self.output_dir, self.step)
         try:
             self.actor.save_checkpoint(ckpt / "actor")
@@ -244,13 +256,31 @@ class Trainer:
         failed = None
         if self.driver.leads:
             try:
-                run_state.save_trainer_state(ckpt, self.driver.state_dict(self.step, self.version))
+                run_state.write_trainer_state(ckpt, self.driver.state_dict(self.step, self.version))
+            except OSError as exc:
+                failed = str(run_state.save_failure(ckpt, exc, kept=self.checkpoint))
+        failed = self._broadcast(failed)  # every rank stops, or none
+        if failed is not None:
+            raise run_state.CheckpointError(failed)
+        # Every rank hashes the files it wrote (in parallel, from its own page cache); rank 0 merges.
+        try:
+            own: Any = run_state.hash_own_files(ckpt, dist.get_rank(self.cpu_group), dist.get_world_size(self.cpu_group))
+        except OSError as exc:
+            own = f"rank {dist.get_rank(self.cpu_group)} could not hash its files: {exc}"
+        parts: list = [None] * dist.get_world_size(self.cpu_group)
+        dist.all_gather_object(parts, own, group=self.cpu_group)
+        if self.driver.leads:
+            errors = [p for p in parts if isinstance(p, str)]
+            try:
+                if errors:
+                    raise OSError(errors[0])
+                run_state.finish_checkpoint(ckpt, {rel: h for part in parts for rel, h in part.items()})
             except OSError as exc:
                 failed = str(run_state.save_failure(ckpt, exc, kept=self.checkpoint))
             else:
                 run_state.prune_checkpoints(self.output_dir, self.config.trainer.keep_checkpoints)
                 logger.info("checkpoint %s", ckpt)
-        failed = self._broadcast(failed)  # every rank stops, or none
+        failed = self._broadcast(failed)
         if failed is not None:
             raise run_state.CheckpointError(failed)
         self.checkpoint = ckpt

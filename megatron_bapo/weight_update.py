@@ -1,9 +1,13 @@
-"""The distributed weight-update protocol (SGLang native API section 10), shared by both sides.
+"""The weight-update wire protocol (SGLang native API sections 9-12), shared by both sides.
 
-The trainer (`megatron_bapo.sync`) and the built-in server (`megatron_bapo.server.distributed`)
-import this module and nothing of each other: the group construction (a TCP store hosted by the
-trainer, prefixed by the group name, SGLang's and slime's construction, so real SGLang servers
-interoperate), the `/update_weights_from_distributed` body, and the order tensors are broadcast in.
+The trainer side (`megatron_bapo.rollout.pool`, its client and weight group, `megatron_bapo.sync`) and the
+built-in server (`megatron_bapo.server.control`, `megatron_bapo.server.distributed`) import this module
+and nothing of each other:
+- the pause modes of `/pause_generation` and which of them lets an update flush the cache
+  (`PAUSE_MODES`, `flushes_cache`);
+- the distributed group: its construction (a TCP store hosted by the trainer, prefixed by the group
+  name, SGLang's and slime's construction, so real SGLang servers interoperate), the
+  `/update_weights_from_distributed` body, and the order tensors are broadcast in.
 """
 
 from __future__ import annotations
@@ -15,6 +19,23 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_GROUP = "weight_update_group"
+
+PAUSE_MODES: tuple[Optional[str], ...] = (None, "abort", "retract", "in_place")
+"""How an update meets generation in flight (`sync.pause_mode`): None is no pause; the others are
+the `mode` of SGLang's `/pause_generation` (0.5.15+), which the built-in server takes too."""
+
+
+def flushes_cache(pause_mode: Optional[str]) -> bool:
+    """Whether an update under `pause_mode` asks the servers to flush their prefix cache.
+
+    SGLang 0.5.23 flushes after an update only when no request holds KV: true with no pause (the
+    writer lock waited for every request), "abort" (none left) and "retract" (requests wait without
+    KV); "in_place" keeps the running requests' KV, so the flush is refused (`success: false`, the
+    update call fails). Under "in_place" the servers must therefore run without a radix cache
+    (`--disable-radix-cache`, checked at the first sync), so no later request reuses KV that older
+    weights computed.
+    """
+    return pause_mode != "in_place"
 
 
 def host_store(master_address: str, master_port: int, world_size: int, timeout_s: float = 600.0):
@@ -95,7 +116,7 @@ def update_request_body(named: list, *, group_name: str = DEFAULT_GROUP, weight_
 
     `flush_cache` is always sent (SGLang's default is true, and SGLang 0.5.23 fails an update whose
     flush it must refuse): the caller sets it on the bucket that completes an update, per pause mode
-    (`sync.config.flushes_cache`)."""
+    (`flushes_cache`)."""
     body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in named],
             "shapes": [list(t.shape) for _, t in named], "group_name": group_name,
             "flush_cache": bool(flush_cache), "weight_version": weight_version}

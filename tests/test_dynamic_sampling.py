@@ -14,7 +14,7 @@ import asyncio
 import pytest
 
 from megatron_bapo.rollout.dynamic_sampling import DynamicSampler, zero_variance
-from megatron_bapo.rollout.producer import RolloutRound
+from megatron_bapo.rollout.types import RolloutRound
 from megatron_bapo.rollout.types import Prompt, RolloutGroup, Sample, SampleState
 
 G = 4
@@ -163,3 +163,29 @@ def test_a_failed_round_keeps_its_prompts_for_the_step_that_completes():
     done = asyncio.run(again.produce(version=0))
     _accounted(rollout, [done])
     assert len(done.groups) == 4 and [p.index for p in done.prompts][:6] == list(range(6))
+
+
+def test_an_interrupted_step_stops_between_rounds_and_resumes_without_drawing_again():
+    """A checkpoint's `pause(abort=True)` interrupts a refilling step between its rounds: the step is
+    kept (and saved), and the next `produce` refills it without running its first round again."""
+    from megatron_bapo.rollout.errors import RoundInterrupted
+
+    rollout = ScriptedRollout(zero_every=2)
+    sampler = rollout.sampler("refill", prompts_per_step=4)
+    advance = rollout.advance
+
+    async def interrupted_after_first_round(prompts, version):
+        done = await advance(prompts, version)
+        sampler.interrupt(True)  # what the producer does when a checkpoint pauses mid-round
+        return done
+    sampler.advance = interrupted_after_first_round
+    with pytest.raises(RoundInterrupted):
+        asyncio.run(sampler.produce(version=0))
+    state = sampler.state_dict()
+    assert state["step"]["first_round_done"] and len(state["step"]["drawn"]) == 4 and rollout.calls == 1
+    again = rollout.sampler("refill", prompts_per_step=4)  # resumed from the checkpoint
+    again.load_state_dict(state)
+    done = asyncio.run(again.produce(version=0))
+    _accounted(rollout, [done])
+    assert len(done.groups) == 4 and [p.index for p in done.prompts] == list(range(8))
+    assert done.metrics["rollout/refill_rounds"] == 3.0  # 2 of 4 kept, then 4 5 | 6 | 7 (even prompts: no signal)

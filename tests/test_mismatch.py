@@ -40,8 +40,8 @@ def _rollout(hf_dir, dtype: str, tmp: Path) -> dict:
     from megatron_bapo.config import RolloutConfig
     from megatron_bapo.rollout.pool import ServerPool
 
-    pool = ServerPool(RolloutConfig(builtin_server_dtype=dtype), model_path=str(hf_dir), seed=0, log_dir=tmp,
-                      state_path=tmp / "servers.json", server_flags=("--enable-deterministic-inference",))
+    pool = ServerPool(RolloutConfig(builtin_server_dtype=dtype, deterministic_inference=True), model_path=str(hf_dir),
+                      seed=0, log_dir=tmp, state_path=tmp / "servers.json")
     try:
         pool.start()
         url = pool.servers[0].url

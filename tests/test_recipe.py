@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,7 +78,7 @@ def _config(assets, out: Path, **sections) -> Path:
     return path
 
 
-def _run(config: Path, nproc: int, *overrides: str, timeout: float = 900) -> list[dict]:
+def _run(config: Path, nproc: int, *overrides: str, timeout: float = 900, resume: bool = False) -> list[dict]:
     """Train through the CLI (torchrun for several ranks); the per-step metrics it logged."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     data_dir = Path(yaml.safe_load(config.read_text())["data"]["path"]).parent  # the reward module
@@ -88,7 +89,7 @@ def _run(config: Path, nproc: int, *overrides: str, timeout: float = 900) -> lis
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "megatron_bapo.train"]
-    proc = subprocess.run(cmd + ["--config", str(config), "--no-resume", *overrides], env=env, capture_output=True,
+    proc = subprocess.run(cmd + ["--config", str(config), "--resume" if resume else "--no-resume", *overrides], env=env, capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
         (config.parent / f"{config.stem}.log").write_text(proc.stdout + proc.stderr)
@@ -158,14 +159,23 @@ RECIPE = dict(
 )
 
 
-def test_recipe_rehearsal_8_ranks_equals_one_process(assets, tmp_path):
+@pytest.fixture(scope="module")
+def rehearsal(assets, tmp_path_factory):
+    """The recipe's knobs on one process and on 8 ranks (the 8 checkpoint at step 2): (root, one, eight)."""
+    root = tmp_path_factory.mktemp("rehearsal")
     sync = {"method": "distributed", "backend": "gloo"}
     # sync.master_port 0 (the default): rank 0 binds a free port itself. A port picked here could be taken by
     # the eight ranks' own gloo connections before the group binds it (EADDRINUSE, seen in CI).
-    one = _run(_config(assets, tmp_path / "single", **RECIPE, sync=sync), 1)
-    eight = _run(_config(assets, tmp_path / "eight", **RECIPE, sync=sync), 8,
-                 "actor.parallel.tp=2", "actor.parallel.sequence_parallel=true", "actor.parallel.pp=2",
-                 "actor.parallel.cp=2")
+    one = _run(_config(assets, root / "single", **RECIPE, sync=sync), 1)
+    eight = _run(_config(assets, root / "eight", **RECIPE, sync=sync), 8, *EIGHT, "trainer.save_every=2")
+    return root, one, eight
+
+
+EIGHT = ("actor.parallel.tp=2", "actor.parallel.sequence_parallel=true", "actor.parallel.pp=2", "actor.parallel.cp=2")
+
+
+def test_recipe_rehearsal_8_ranks_equals_one_process(rehearsal):
+    _, one, eight = rehearsal
     updates = [m for m in one if "actor/loss" in m]
     assert len(updates) >= 2 and any(m["staleness/max"] > 0 for m in updates)  # partial rollout spanned updates
     assert all(m["actor/loss"] != 0 and m["actor/grad_norm"] > 0 for m in updates)  # real updates compared
@@ -178,6 +188,30 @@ def test_recipe_rehearsal_8_ranks_equals_one_process(assets, tmp_path):
                     "actor/num_loss_tokens", "bapo/c_low", "bapo/c_high", "staleness/mean"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "found by this test, on main at 1b21a04 too (same numbers): after resuming the 8-rank layout (TP2+SP, PP2, CP2, "
+    "tied embeddings, distributed gloo sync) the servers' log-probs no longer match the trainer's at lag 0 "
+    "(mismatch/kl_k3 0.069 vs 6e-14 uninterrupted), so step 3 differs; the one-process resume is exact "
+    "(test_run_failures.py). strict: remove this mark when it passes"))
+def test_recipe_rehearsal_resumed_equals_uninterrupted(rehearsal, assets):
+    """Resumed from the 8 ranks' step-2 checkpoint (hashed by every rank, the buffer in binary, verified in
+    parallel), step 3 equals the uninterrupted run's: model, optimizer, RNG, buffer and data position."""
+    root, _, eight = rehearsal
+    sync = {"method": "distributed", "backend": "gloo"}
+    resumed_dir = root / "eight_resumed"
+    shutil.copytree(root / "eight", resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "step_000003")
+    resumed = _run(_config(assets, resumed_dir, **RECIPE, sync=sync), 8, *EIGHT, resume=True)
+    [a] = [m for m in eight if m["step"] == 3]
+    [b] = [m for m in resumed if m["step"] == 3]
+    assert a["rollout/num_tokens_generated"] == b["rollout/num_tokens_generated"]
+    for key in ("mismatch/kl_k3", "actor/loss", "actor/kl_k1", "actor/entropy", "actor/ratio_mean", "actor/grad_norm",
+                "actor/lr", "actor/num_loss_tokens", "bapo/c_low", "bapo/c_high", "staleness/mean", "train/version"):
+        assert (key in a) == (key in b), key
+        if key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
 
 
 @pytest.mark.gpu

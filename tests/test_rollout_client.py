@@ -132,7 +132,7 @@ def test_all_requests_in_flight_up_to_the_cap():
     with fake_servers(1, token_delay_s=0.05) as (urls, _), client_for(urls, max_concurrency=8) as client:
         cfg = PartialRolloutConfig(group_size=4, max_response_tokens=8,
                                    sampling=SamplingConfig(extra={"ignore_eos": True}))
-        groups = PartialRolloutManager(client, cfg).step(prompts(5), 0)
+        groups = PartialRolloutManager(client, cfg).step(prompts(5), 0).groups
         assert len(groups) == 5
         info = server_info(urls[0])
         assert info["num_generate"] == 20
@@ -149,7 +149,7 @@ def test_group_sampling_with_partial_rollout_across_weight_updates():
         for version in range(12):
             client.update_weights_from_disk(f"ckpt/v{version}", version)
             seeds[version] = weights_seed(f"ckpt/v{version}")
-            finished += manager.step(todo[:2], version)
+            finished += manager.step(todo[:2], version).groups
             todo = todo[2:]
             if not todo and not manager.buffer:
                 break
@@ -177,7 +177,7 @@ def test_versions_come_from_the_server_reply():
     with fake_servers(1) as (urls, _), client_for(urls) as client:
         client.update_weights_from_disk("ckpt/x", 7)
         manager = PartialRolloutManager(client, PartialRolloutConfig(group_size=2, max_response_tokens=5))
-        groups = manager.step(prompts(2), version=3)  # the trainer believes 3; the server says 7
+        groups = manager.step(prompts(2), version=3).groups  # the trainer believes 3; the server says 7
         assert {v for s in flatten(groups) for v in s.response_versions} == {7}
 
 
@@ -190,14 +190,14 @@ def test_stale_partial_samples_are_regenerated_not_mixed():
         for version in range(3):
             client.update_weights_from_disk(f"ckpt/s{version}", version)
             seeds[version] = weights_seed(f"ckpt/s{version}")
-            finished += manager.step(prompts(2) if version == 0 else [], version)
+            finished += manager.step(prompts(2) if version == 0 else [], version).groups
         assert finished == []  # 16 tokens in segments of 3, restarted at each new version
         assert manager.totals["num_regenerated"] == 2 * 8
         for s in flatten(manager.buffer):
             assert set(s.response_versions) == {2} and s.num_regenerations == 2
             check_tokens(s, seeds)
         for _ in range(5):
-            finished += manager.step([], 2)
+            finished += manager.step([], 2).groups
         assert len(finished) == 2 and all(len(set(s.response_versions)) == 1 for s in flatten(finished))
 
 
@@ -208,13 +208,13 @@ def test_staleness_cap_holds_for_finished_samples_waiting_for_their_group():
         cfg = PartialRolloutConfig(group_size=2, max_response_tokens=6, segment_tokens=3, max_staleness=1,
                                    sampling=SamplingConfig(ignore_eos=True))
         manager = PartialRolloutManager(client, cfg)
-        manager.step(prompts(1), 0)  # both samples: 3 tokens of version 0, partial
+        manager.step(prompts(1), 0).groups  # both samples: 3 tokens of version 0, partial
         early = manager.buffer[0].samples[0]
         early.state = SampleState.COMPLETED  # as if it had stopped on EOS at version 0
         groups = []
         for version in (2, 3):  # the policy moved on by 2 versions (e.g. steps without this group)
             client.update_weights_from_disk(f"ckpt/w{version}", version)
-            groups += manager.step([], version)
+            groups += manager.step([], version).groups
         assert len(groups) == 1
         for s in groups[0].samples:
             assert 3 - min(s.response_versions) <= cfg.max_staleness, s.response_versions
@@ -227,15 +227,15 @@ def test_resumed_responses_equal_uninterrupted_and_state_dict_round_trips():
         seed = weights_seed("init")
         cfg = PartialRolloutConfig(group_size=2, max_response_tokens=30, segment_tokens=5)
         manager = PartialRolloutManager(client, cfg)
-        finished = manager.step(prompts(4), 0)
+        finished = manager.step(prompts(4), 0).groups
         state = json.loads(json.dumps(manager.state_dict()))
         resumed = PartialRolloutManager(client, cfg)
         resumed.load_state_dict(state)
         assert resumed.state_dict() == manager.state_dict()
         a, b = list(finished), list(finished)
         while manager.buffer or resumed.buffer:
-            a += manager.step([], 0)
-            b += resumed.step([], 0)
+            a += manager.step([], 0).groups
+            b += resumed.step([], 0).groups
         key = lambda g: g.prompt.index  # noqa: E731
         assert [g.to_dict() for g in sorted(a, key=key)] == [g.to_dict() for g in sorted(b, key=key)]
         for g in a:
@@ -251,13 +251,14 @@ def test_abort_mid_step_keeps_partial_tokens_and_resumes():
         manager = PartialRolloutManager(client, cfg)
         timer = threading.Timer(0.3, manager.abort)
         timer.start()
-        assert manager.step(prompts(3), 0) == []
+        cut = manager.step(prompts(3), 0)
+        assert cut.groups == []
         timer.join()
         states = [s.state for s in flatten(manager.buffer)]
         assert set(states) == {SampleState.ABORTED}
         assert any(s.response_ids for s in flatten(manager.buffer))  # partial outputs kept
-        assert manager.last_metrics["rollout/num_aborted_segments"] == 12
-        groups = manager.step([], 0)
+        assert cut.metrics["rollout/num_aborted_segments"] == 12
+        groups = manager.step([], 0).groups
         assert len(groups) == 3
         for s in flatten(groups):
             assert s.response_ids == uninterrupted(s.prompt_ids, weights_seed("init"), 40, ignore_eos=True)
@@ -270,7 +271,7 @@ def test_killed_server_requests_complete_on_the_other():
         manager = PartialRolloutManager(client, cfg)
         killer = threading.Timer(0.25, lambda: os.kill(procs[0].pid, signal.SIGKILL))
         killer.start()
-        groups = manager.step(prompts(6), 0)
+        groups = manager.step(prompts(6), 0).groups
         killer.join()
         assert procs[0].wait(timeout=10) == -signal.SIGKILL
         assert len(groups) == 6 and not manager.buffer
@@ -286,12 +287,12 @@ def test_every_server_down_raises_and_keeps_the_buffer():
         client = client_for(urls, max_retries=2, connect_timeout_s=2)
         cfg = PartialRolloutConfig(group_size=2, max_response_tokens=30, segment_tokens=3)
         manager = PartialRolloutManager(client, cfg)
-        manager.step(prompts(2), 0)
+        manager.step(prompts(2), 0).groups
         before = manager.state_dict()
         procs[0].kill()
         procs[0].wait()
         with pytest.raises(RolloutError, match="failed on every server"):
-            manager.step(prompts(1), 0)
+            manager.step(prompts(1), 0).groups
         after = manager.state_dict()
         assert after["groups"][:2] == before["groups"]  # nothing lost, nothing changed
         assert len(after["groups"]) == 3
@@ -313,7 +314,7 @@ def test_context_limit_truncates_instead_of_overflowing():
         cfg = PartialRolloutConfig(group_size=2, max_response_tokens=20, segment_tokens=4, max_context_tokens=12,
                                    sampling=SamplingConfig(ignore_eos=True))
         manager = PartialRolloutManager(client, cfg)
-        groups = manager.step(prompts(1, length=5), 0) + manager.step([], 0)
+        groups = manager.step(prompts(1, length=5), 0).groups + manager.step([], 0).groups
         assert len(groups) == 1
         for s in flatten(groups):
             assert len(s.response_ids) == 7 and s.state is SampleState.TRUNCATED and s.num_segments == 2
@@ -345,7 +346,9 @@ def test_producer_runs_ahead_and_regenerates_rounds_too_stale_to_train():
                                    sampling=SamplingConfig(ignore_eos=True))
         manager = PartialRolloutManager(client, cfg)
         todo = prompts(8)
-        producer = RolloutProducer(client, manager, rollout_round(manager, lambda: [todo.pop(0)]), ahead=2, version=0)
+        served = [0]  # what the servers serve (the server pool's version in the trainer)
+        producer = RolloutProducer(client, manager, rollout_round(manager, lambda: [todo.pop(0)]), ahead=2,
+                                   served_version=lambda: served[0])
         client.update_weights_from_disk("ckpt/a0", 0)
         producer.start()
         first, _ = producer.next(0)
@@ -357,7 +360,7 @@ def test_producer_runs_ahead_and_regenerates_rounds_too_stale_to_train():
         time.sleep(0.2)
         assert producer.produced == 3  # and no further: pacing holds it at two ahead
         client.update_weights_from_disk("ckpt/a5", 5)
-        producer.publish(5)
+        served[0] = 5
         second, _ = producer.next(5)  # generated at version 0: 5 versions old > max_staleness 1
         assert second.groups == [] and [p.index for p in second.prompts] == [1]
         assert manager.totals["num_regenerated"] == 2

@@ -1,6 +1,7 @@
-"""The server pool owns what its built-in servers serve: a restarted server is given the version the
-others serve, or the restart is an error naming the version and the path; never the base model
-passing for a later version (its tokens would be labelled stale and regenerated forever)."""
+"""The server pool owns its servers' life and what they serve: a restarted server is given the version
+the others serve, or the restart is an error naming the version and the path; never the base model
+passing for a later version (its tokens would be labelled stale and regenerated forever). Updates
+(pause, session, flush, version) go through the pool too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from megatron_bapo.config import RolloutConfig
 from megatron_bapo.rollout.config import RolloutClientConfig
 from megatron_bapo.rollout.errors import RolloutError
-from megatron_bapo.rollout.pool import ServerPool
+from megatron_bapo.rollout.pool import ServedWeights, ServerPool
+from megatron_bapo.sync.config import SyncConfig
 
 
 def _kill(pool: ServerPool) -> None:
@@ -31,14 +33,14 @@ def test_restarted_server_that_cannot_be_given_the_current_version_is_an_error(t
     try:
         url = pool.servers[0].url
         # Disk sync at version 3 whose directory is gone (as pruning by name used to do after a resume).
-        pool.version, pool.latest_disk_weights = 3, (str(tmp_path / "hf_sync" / "v000003"), 3)
+        pool.served = ServedWeights(3, str(tmp_path / "hf_sync" / "v000003"))
         _kill(pool)
         with pytest.raises(RolloutError) as err:
             pool.ensure_alive()
         assert f"built-in server(s) {url} restarted, but version 3's weights {tmp_path}/hf_sync/v000003 are gone" \
             in str(err.value) and "--resume" in str(err.value)
         # Distributed sync: no copy of version 3 exists outside a sync.
-        pool.latest_disk_weights = None
+        pool.served = ServedWeights(3, None)
         _kill(pool)
         with pytest.raises(RolloutError, match="version 3 exists on no disk .* sync.method=disk"):
             pool.ensure_alive()
@@ -50,11 +52,8 @@ def test_restarted_server_that_cannot_be_given_the_current_version_is_an_error(t
 def test_a_server_dying_right_after_the_liveness_check_is_restarted_by_the_update(tiny_hf_dir, tmp_path):
     """The update looks (`ensure_alive`), then asks every server for its flags; a server killed in
     between (seen in CI: the run stopped on `server_info failed`) is restarted there too."""
-    from megatron_bapo.sync.config import SyncConfig
-    from megatron_bapo.sync.delivery import WeightDelivery
-
     rollout = RolloutConfig(client=RolloutClientConfig(health_timeout_s=120, max_retries=1, backoff_s=0.1))
-    pool = ServerPool(rollout, model_path=str(tiny_hf_dir), seed=0, log_dir=tmp_path / "logs",
+    pool = ServerPool(rollout, SyncConfig(method="disk"), model_path=str(tiny_hf_dir), seed=0, log_dir=tmp_path / "logs",
                       state_path=tmp_path / "servers.json")
     pool.start()
     looked = pool.ensure_alive
@@ -67,7 +66,7 @@ def test_a_server_dying_right_after_the_liveness_check_is_restarted_by_the_updat
 
     pool.ensure_alive = look_then_die
     try:
-        with WeightDelivery(SyncConfig(method="disk"), pool, deterministic_inference=False).update(1):
+        with pool.update(1):
             pass
         assert pool.restarts == [1] and pool.servers[0].alive()
         assert pool.client.get_weight_version() == 0  # nothing newer existed to give it
@@ -78,33 +77,26 @@ def test_a_server_dying_right_after_the_liveness_check_is_restarted_by_the_updat
 def test_sync_fields_reach_the_weight_group(tiny_hf_dir, tmp_path):
     """`sync.master_port` is the port rank 0 binds (a taken one fails naming it) and
     `sync.group_timeout_s` the timeout the group and its HTTP calls run under; both through the
-    delivery that builds the group from the config."""
+    pool, which builds the group from the config."""
     import socket
 
-    from megatron_bapo.sync.config import SyncConfig
-    from megatron_bapo.sync.delivery import WeightDelivery
-
     rollout = RolloutConfig(client=RolloutClientConfig(health_timeout_s=120))
-    pool = ServerPool(rollout, model_path=str(tiny_hf_dir), seed=0, log_dir=tmp_path / "logs",
-                      state_path=tmp_path / "servers.json")
-    pool.start()
-    try:
-        with socket.socket() as taken:
-            taken.bind(("127.0.0.1", 0))
-            taken.listen()
-            port = taken.getsockname()[1]
-            delivery = WeightDelivery(SyncConfig(method="distributed", backend="gloo", master_port=port,
-                                                 group_timeout_s=45), pool, deterministic_inference=False)
-            with pytest.raises(RolloutError, match=f"cannot listen on 127.0.0.1:{port}"):
-                with delivery.update(1):
-                    pass
-        delivery = WeightDelivery(SyncConfig(method="distributed", backend="gloo", group_timeout_s=45), pool,
-                                  deterministic_inference=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        pool = ServerPool(rollout, SyncConfig(method="distributed", backend="gloo", master_port=port, group_timeout_s=45),
+                          model_path=str(tiny_hf_dir), seed=0, log_dir=tmp_path / "logs",
+                          state_path=tmp_path / "servers.json")
+        pool.start()
         try:
-            with delivery.update(1):
+            with pytest.raises(RolloutError, match=f"cannot listen on 127.0.0.1:{port}"):
+                with pool.update(1):
+                    pass
+            assert pool.version == 0  # a failed update changes nothing the pool reports
+            pool.sync = SyncConfig(method="distributed", backend="gloo", group_timeout_s=45)
+            with pool.update(1):
                 pass
-            assert delivery.sender.timeout_s == 45 and delivery.sender.master_port > 0
+            assert pool._sender.timeout_s == 45 and pool._sender.master_port > 0 and pool.version == 1
         finally:
-            delivery.close()
-    finally:
-        pool.close()
+            pool.close()

@@ -84,7 +84,7 @@ def test_partial_rollout_across_weight_updates_versions_and_logprobs(servers, ch
             path_of[version] = checkpoints[version % 3]
             client.update_weights_from_disk(path_of[version], version)
             assert client.get_weight_version() == version
-            finished += manager.step(todo[:2], version)
+            finished += manager.step(todo[:2], version).groups
             todo = todo[2:]
             if not todo and not manager.buffer:
                 break
@@ -119,11 +119,11 @@ def test_resumed_responses_are_token_identical_continuations(servers, checkpoint
         pieces = PartialRolloutManager(client, PartialRolloutConfig(group_size=2, max_response_tokens=24,
                                                                     segment_tokens=5, sampling=greedy))
         prompts = make_prompts(tokenizer, 3)
-        ref = {g.prompt.index: g for g in whole.step(prompts, 20)}
-        got = pieces.step(prompts, 20)
+        ref = {g.prompt.index: g for g in whole.step(prompts, 20).groups}
+        got = pieces.step(prompts, 20).groups
         assert got == []
         while pieces.buffer:
-            got += pieces.step([], 20)
+            got += pieces.step([], 20).groups
     assert len(got) == 3
     for g in got:
         for s, r in zip(g.samples, ref[g.prompt.index].samples):
@@ -156,7 +156,7 @@ def test_kill_one_of_two_servers_mid_rollout(servers, tokenizer):
         manager = PartialRolloutManager(client, cfg)
         killer = threading.Thread(target=kill_when_busy)
         killer.start()
-        groups = manager.step(make_prompts(tokenizer, 4), 20)
+        groups = manager.step(make_prompts(tokenizer, 4), 20).groups
         killer.join()
         assert victim.proc.wait(timeout=30) == -signal.SIGKILL
         assert client.stats["num_retries"] > 0  # requests on the dead server were re-sent
@@ -186,7 +186,7 @@ def test_seeded_requests_sample_the_same_whatever_the_order(fresh_servers, check
             client.update_weights_from_disk(checkpoints[0], 0)
             manager, out = PartialRolloutManager(client, cfg, seed=seed), {}
             for step in range(4):
-                for g in manager.step(prompts if step == 0 else [], 0):
+                for g in manager.step(prompts if step == 0 else [], 0).groups:
                     out[g.prompt.index] = [s.response_ids for s in g.samples]
         return out
 

@@ -71,7 +71,7 @@ def test_generation_through_the_router_control_calls_to_each_worker(cluster, tin
                                                                      sampling=SamplingConfig(ignore_eos=True)), seed=1)
         groups = []
         for step in range(3):
-            groups += manager.step([Prompt(prompt_ids=[5 + i, 6, 7], index=i) for i in range(4)] if step == 0 else [], 7)
+            groups += manager.step([Prompt(prompt_ids=[5 + i, 6, 7], index=i) for i in range(4)] if step == 0 else [], 7).groups
         assert sorted(g.prompt.index for g in groups) == [0, 1, 2, 3]
         for s in (s for g in groups for s in g.samples):
             assert len(s.response_ids) == 6 and s.response_versions == [7] * 6 and s.num_segments == 2

@@ -118,7 +118,7 @@ def test_without_the_launch_flag_the_field_is_ignored_as_by_sglang(moe_hf):
         with RolloutClient(RolloutClientConfig(urls=[plain.url])) as client:
             manager = PartialRolloutManager(client, cfg)
             with pytest.raises(RolloutError, match="launch the servers with --enable-return-routed-experts"):
-                manager.step([Prompt(prompt_ids=[5, 6, 7], index=0)], 0)
+                manager.step([Prompt(prompt_ids=[5, 6, 7], index=0)], 0).groups
         assert manager.num_buffered_groups == 1 and all(not s.response_ids for s in manager.buffer[0].samples)
 
 
@@ -135,13 +135,13 @@ def _rollout_across_a_resume(server, moe_hf, moe_hf_b):
     with RolloutClient(RolloutClientConfig(urls=[server.url])) as client:
         client.update_weights_from_disk(str(moe_hf), 0)
         first = PartialRolloutManager(client, cfg)
-        assert first.step([Prompt(prompt_ids=[5, 17, 3, 42], index=0), Prompt(prompt_ids=[9, 8, 7], index=1)], 0) == []
+        assert first.step([Prompt(prompt_ids=[5, 17, 3, 42], index=0), Prompt(prompt_ids=[9, 8, 7], index=1)], 0).groups == []
         state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint keeps
         resumed = PartialRolloutManager(client, cfg)
         resumed.load_state_dict(state)
         client.update_weights_from_disk(str(moe_hf_b), 1)
         try:
-            groups = resumed.step([], 1)
+            groups = resumed.step([], 1).groups
         finally:
             client.update_weights_from_disk(str(moe_hf), 0)
     return [s for g in groups for s in g.samples]

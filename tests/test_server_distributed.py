@@ -114,7 +114,7 @@ def test_sender_syncs_two_servers_in_one_group(server, tiny_hf_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
-    from megatron_bapo.sync.sender import DistributedWeightSender
+    from megatron_bapo.rollout.weight_group import DistributedWeightSender
     from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
 
     new = AutoModelForCausalLM.from_pretrained(make_tiny_hf_checkpoint(tmp_path / "new", seed=5),
@@ -143,7 +143,7 @@ def test_update_outside_a_session_is_refused(server, other_model):
     too. The project's client before this change never opened a session: this is what it met."""
     from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
     from megatron_bapo.rollout.errors import RolloutError
-    from megatron_bapo.sync.sender import DistributedWeightSender
+    from megatron_bapo.rollout.weight_group import DistributedWeightSender
 
     url = server.url
     assert http(url + "/end_weight_update", {})[1] == {
@@ -171,7 +171,7 @@ def test_a_taken_sync_port_is_named_and_port_0_binds_a_free_one(server):
 
     from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
     from megatron_bapo.rollout.errors import RolloutError
-    from megatron_bapo.sync.sender import DistributedWeightSender
+    from megatron_bapo.rollout.weight_group import DistributedWeightSender
 
     with socket.socket() as taken, RolloutClient(RolloutClientConfig(urls=[server.url])) as client:
         taken.bind(("127.0.0.1", 0))
@@ -193,7 +193,7 @@ def test_a_group_is_rebuilt_under_its_name_on_both_sides(server, other_model):
     from one that held the group (CI's test workers) builds its own. A name left registered failed
     the second build with "the specified group name has already been created"."""
     from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
-    from megatron_bapo.sync.sender import DistributedWeightSender
+    from megatron_bapo.rollout.weight_group import DistributedWeightSender
 
     params = [(n, p.detach()) for n, p in other_model.named_parameters()]
     with RolloutClient(RolloutClientConfig(urls=[server.url])) as client:

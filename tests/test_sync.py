@@ -3,6 +3,7 @@ server's log-probs equal the trainer's; the NCCL path runs the same check on a G
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.request
 
@@ -49,8 +50,7 @@ def _train_side(rank, world_size, hf_dir, url, method, sync_port, tmp):
     from megatron_bapo.rollout import RolloutClientConfig
     from megatron_bapo.rollout.pool import ServerPool
     from megatron_bapo.sync import SyncConfig
-    from megatron_bapo.sync.delivery import NullDelivery, WeightDelivery
-    from megatron_bapo.sync.export import make_export
+    from megatron_bapo.sync.export import NullSink, make_export
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     actor = Actor(ActorConfig(parallel=ParallelConfig(tp=world_size), vocab_divisible_by=64), hf_config)
@@ -67,18 +67,15 @@ def _train_side(rank, world_size, hf_dir, url, method, sync_port, tmp):
     export = make_export(cfg, actor, hf_config, Path(tmp).parent, tokenizer_src=hf_dir)
     pool = None
     if rank == 0:  # rank 0 delivers to the servers; the others only take part in the gathers
-        pool = ServerPool(RolloutConfig(client=RolloutClientConfig(urls=[url])), model_path=hf_dir, seed=0,
+        pool = ServerPool(RolloutConfig(client=RolloutClientConfig(urls=[url])), cfg, model_path=hf_dir, seed=0,
                           log_dir=Path(tmp).parent / "logs", state_path=Path(tmp).parent / "servers.json")
         pool.start()
-        delivery = WeightDelivery(cfg, pool, deterministic_inference=False)
-    else:
-        delivery = NullDelivery()
     sent = 0
     for version in (5, 6):  # a second sync reuses the group
-        with delivery.update(version) as sink:
+        with (pool.update(version) if pool is not None else contextlib.nullcontext(NullSink())) as sink:
             sent = export.run(version, sink) or 0
-    delivery.close()
     if pool is not None:
+        assert pool.version == 6
         pool.close()
     return {"lp": lp, "sent": sent}
 

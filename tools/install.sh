@@ -5,7 +5,7 @@
 # multi-GB CUDA torch. GPU images (see Dockerfile) bring their own torch, TE and apex instead.
 # Idempotent: a second run only re-checks the install (a few seconds).
 #
-#   bash tools/install.sh                # .venv: what the quick start needs
+#   bash tools/install.sh                # .venv: what the quick start needs, as requirements.lock pins it
 #   bash tools/install.sh --with-sglang  # also .venv-sglang: the pinned SGLang's request definitions,
 #                                        # which tests/test_sglang_conformance.py checks against (the tests)
 set -euo pipefail
@@ -29,7 +29,26 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 stamp="$VENV/.megatron_bapo_installed"
-if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
+# requirements.lock: the resolved package set (refreshed by `bash tools/lock_deps.sh`), installed as pip
+# constraints so a fresh clone gets exactly the packages the README's numbers were measured with. It was
+# resolved for one Python (its "# python:" line) on a CPU machine: other Pythons install unpinned (a line
+# says so); a GPU machine keeps its own torch and pins the rest.
+LOCK=requirements.lock
+LOCKED=0
+CONSTRAINTS=()
+venv_py=$("$VENV/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+if [ -f "$LOCK" ] && [ "$(sed -n 's/^# python: //p' "$LOCK")" = "$venv_py" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    grep -v '^torch==' "$LOCK" > "$VENV/constraints-gpu.txt"
+    CONSTRAINTS=(-c "$VENV/constraints-gpu.txt")
+  else
+    CONSTRAINTS=(-c "$LOCK")
+    LOCKED=1
+  fi
+elif [ -f "$LOCK" ]; then
+  echo "[install] $LOCK was resolved for Python $(sed -n 's/^# python: //p' "$LOCK"), $VENV has $venv_py: installing unpinned (versions may differ from the README's)"
+fi
+if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || { [ -f "$LOCK" ] && [ "$LOCK" -nt "$stamp" ]; }; then
   if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     if command -v nvidia-smi >/dev/null 2>&1; then
       "${PIP[@]}" install "torch>=2.4"
@@ -38,9 +57,16 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
       "${PIP[@]}" install "torch==$TORCH_CPU_VERSION"
     fi
   fi
-  echo "[install] megatron_bapo and its dependencies"
-  "${PIP[@]}" install -e ".[dev]"
+  echo "[install] megatron_bapo and its dependencies${CONSTRAINTS:+ (pinned by $LOCK)}"
+  "${PIP[@]}" install "${CONSTRAINTS[@]}" -e ".[dev]"
   touch "$stamp"
+fi
+if [ "$LOCKED" = 1 ] && ! "$VENV/bin/python" tools/check_lock.py --lock "$LOCK" >/dev/null 2>&1; then
+  # Something moved a locked package (a manual pip install): put the locked versions back, or refuse.
+  echo "[install] $VENV differs from $LOCK: reinstalling the locked versions"
+  "${PIP[@]}" install -r "$LOCK"
+  "$VENV/bin/python" tools/check_lock.py --lock "$LOCK" >/dev/null || {
+    "$VENV/bin/python" tools/check_lock.py --lock "$LOCK"; exit 1; }
 fi
 [ "$WITH_SGLANG" = 1 ] || exit 0
 

@@ -157,6 +157,9 @@ class Actor:
             self.optimizer, init_lr=0.0 if oc.warmup_steps else oc.lr, max_lr=oc.lr, min_lr=oc.min_lr,
             lr_warmup_steps=oc.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=oc.decay_style,
             start_wd=oc.weight_decay, end_wd=oc.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+            # On resume the config's schedule wins over the checkpoint's (a changed actor.optim.lr is
+            # applied at the saved step count, megatron_bapo.resume_policy); megatron's default keeps the saved one.
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
         )
         self.num_updates = 0
         self.num_skipped_steps = 0

@@ -178,6 +178,26 @@ def save_checkpoint(actor: "Actor", directory: str | os.PathLike) -> Path:
     return final
 
 
+def _apply_optim_config(actor: "Actor") -> None:
+    """Put the config's optimizer hyperparameters into every parameter group after the saved state was
+    loaded (it brings the old run's betas, eps and momentum along): a changed value is applied on
+    resume, as `megatron_bapo.resume_policy` promises. The learning rate itself and the weight decay
+    are set by the scheduler from these bounds (`override_opt_param_scheduler`)."""
+    oc = actor.config.optim
+    for group in actor.optimizer.param_groups:
+        # megatron's groups carry their own schedule bounds, which the scheduler prefers to its own
+        if "max_lr" in group:
+            group["max_lr"] = oc.lr
+        if "min_lr" in group:
+            group["min_lr"] = oc.min_lr
+        if "betas" in group:
+            group["betas"] = (oc.adam_beta1, oc.adam_beta2)
+        if "eps" in group:
+            group["eps"] = oc.adam_eps
+        if "momentum" in group:
+            group["momentum"] = oc.sgd_momentum
+
+
 def load_checkpoint(actor: "Actor", directory: str | os.PathLike, *, load_optimizer: bool = True) -> dict:
     """Load a checkpoint saved by `save_checkpoint`, resharding model/optimizer to this layout.
 
@@ -203,7 +223,8 @@ def load_checkpoint(actor: "Actor", directory: str | os.PathLike, *, load_optimi
         load_module_state(m.module, state[_model_key(i, len(actor.model))], tolerate_extra_state=bool(tolerated))
     if load_optimizer:
         distopt_state.load_state_dict(actor.optimizer, state["optimizer"])
-        actor.scheduler.load_state_dict(state["scheduler"])
+        _apply_optim_config(actor)
+        actor.scheduler.load_state_dict(state["scheduler"])  # lr and weight decay from the config's schedule
         actor.num_updates = int(meta["num_updates"])
         actor.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
         same_layout = meta["layout"] == _layout(actor) and meta["world_size"] == actor.parallel.world_size

@@ -11,6 +11,7 @@ group, and the experts of a layer live on the ranks of the expert-parallel group
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -338,6 +339,7 @@ def save_model_as_hf(
         raise error or RuntimeError(f"save_model_as_hf: the writer rank refused to write {out}")
     tmp = out.with_name(out.name + ".tmp")
     written = None
+    failed: Optional[BaseException] = None  # the writer's write failure (a full disk): raised after the gathers
     if parallel.exports_weights:
         writer = None
         if writer_rank:
@@ -348,18 +350,29 @@ def save_model_as_hf(
         buckets = iter_hf_tensors(model_chunks, hf_config, bucket_bytes=bucket_bytes, dtype=dtype, gather_to="first",
                                   tp_group=parallel.tp_group, pp_group=parallel.pp_group,
                                   etp_group=parallel.etp_group, ep_group=parallel.ep_group)
-        for bucket in buckets:
-            if writer is not None:
-                writer.add_all(bucket)
-        if writer is not None:
-            writer.close()
-            if dtype is None:
-                dtype = next(unwrap(model_chunks[0]).parameters()).dtype
-            write_config(hf_config, tmp, dtype=dtype)
-            if tokenizer_src is not None:
-                copy_tokenizer_files(tokenizer_src, tmp)
-            replace_dir(tmp, out)
-            written = out
-            logger.info("saved HF checkpoint to %s", out)
-    dist.barrier(group=group)
+        for bucket in buckets:  # every rank keeps joining the gathers, also after the writer failed
+            if writer is not None and failed is None:
+                try:
+                    writer.add_all(bucket)
+                except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
+                    failed = exc
+        if writer is not None and failed is None:
+            try:
+                writer.close()
+                if dtype is None:
+                    dtype = next(unwrap(model_chunks[0]).parameters()).dtype
+                write_config(hf_config, tmp, dtype=dtype)
+                if tokenizer_src is not None:
+                    copy_tokenizer_files(tokenizer_src, tmp)
+                replace_dir(tmp, out)
+                written = out
+                logger.info("saved HF checkpoint to %s", out)
+            except Exception as exc:  # noqa: BLE001
+                failed = exc
+    flag = torch.tensor([1 if failed is not None else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, group=group)  # every rank stops, or none (the partial `<out>.tmp` is the caller's)
+    if failed is not None:
+        raise failed
+    if int(flag.item()):
+        raise OSError(errno.EIO, f"the writing rank could not write {out} (its error is in rank 0's log)")
     return written

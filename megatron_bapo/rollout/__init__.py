@@ -16,16 +16,16 @@ Public API (the trainer's view)::
 
     manager = PartialRolloutManager(client, PartialRolloutConfig(group_size=8,
         max_response_tokens=1024, segment_tokens=256, max_staleness=2, sampling=SamplingConfig()))
-    groups = manager.step(prompts, version)   # list[Prompt] -> list[RolloutGroup], all G samples finished
+    done = manager.step(prompts, version)     # a RolloutRound: .groups (all G samples finished), .metrics
     manager.state_dict() / manager.load_state_dict(d)       # JSON-safe partial-rollout buffer
-    manager.last_metrics                                    # {"rollout/...": float} of the last step
     manager.abort()                                         # from another thread: stop the running step
 
     batch = build_batch(flatten(groups), pad_token_id=..., advantages=per_sample_adv)
     # input_ids, attention_mask, loss_mask, behavior_logprobs, versions, advantages: [B, T]
     # aligned to the token, right-padded; prompt_lengths, response_lengths: [B]
 
-Every control call also has a coroutine (`aupdate_weights_from_disk`, ...) and generation is
+Rank 0 of the trainer reaches the servers only through `rollout.pool.ServerPool` (life, restarts,
+pauses, weight updates, the served version), which holds the client. Every control call also has a coroutine (`aupdate_weights_from_disk`, ...) and generation is
 `await client.agenerate(input_ids, sampling_params) -> GenerateResult`; sync methods run them on
 the client's own background event loop. Prompts come from `megatron_bapo.data.PromptDataset`.
 """
@@ -36,11 +36,11 @@ from megatron_bapo.rollout.config import SAMPLING_KEYS, PartialRolloutConfig, Ro
 from megatron_bapo.rollout.errors import ProtocolError, RequestRejected, RolloutError
 from megatron_bapo.rollout.partial import PartialRolloutManager, flatten
 from megatron_bapo.rollout.protocol import parse_generate_reply, parse_version
-from megatron_bapo.rollout.types import GenerateResult, Prompt, RolloutGroup, Sample, SampleState
+from megatron_bapo.rollout.types import GenerateResult, Prompt, RolloutGroup, RolloutRound, Sample, SampleState
 
 __all__ = [
     "SAMPLING_KEYS", "GenerateResult", "PartialRolloutConfig", "PartialRolloutManager", "Prompt",
     "ProtocolError", "RequestRejected", "RolloutClient", "RolloutClientConfig", "RolloutError",
-    "RolloutGroup", "Sample", "SampleState", "SamplingConfig", "build_batch", "flatten",
+    "RolloutGroup", "RolloutRound", "Sample", "SampleState", "SamplingConfig", "build_batch", "flatten",
     "parse_generate_reply", "parse_version",
 ]

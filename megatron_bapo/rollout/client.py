@@ -96,20 +96,37 @@ class RolloutClient(ControlMixin):
         self._rid_url: dict[str, str] = {}
         self._abort_epoch = 0
         self._workers: Optional[list[str]] = list(config.urls) or None
+        self.stopping = False
+        """The run is ending (SIGTERM, an error, or its end): no retries, every control call one short
+        attempt (`control.CLEANUP_TIMEOUT_S`), so teardown never waits on a dead server. Set from
+        any thread (a signal handler included)."""
         self.stats: dict[str, int] = {"num_requests": 0, "num_retries": 0, "num_rejected": 0,
                                       "num_aborted_before_send": 0, "num_bad_replies": 0}
         """`num_bad_replies`: 200 replies refused by `protocol.parse_generate_reply` (retried elsewhere)."""
 
     # ------------------------------------------------------------------ plumbing
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
-        """Run a coroutine on the client's background loop and return its result (sync API)."""
-        return self.submit(coro).result(timeout)
+        """Run a coroutine on the client's background loop and return its result (sync API). A caller
+        that stops waiting (a timeout, or SIGTERM raising in the waiting thread) cancels the coroutine:
+        nothing keeps polling a server for a run that has moved on."""
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
 
     def submit(self, coro: Awaitable[T]) -> "concurrent.futures.Future[T]":
         """Start a coroutine on the client's background loop; its Future, without waiting."""
         if self._background is None:
             self._background = _LoopThread()
         return self._background.submit(coro)
+
+    @property
+    def abort_epoch(self) -> int:
+        """Counts `abort_all` calls: work that began at epoch e was aborted since when it differs
+        (the agent loop ends a sample's round there instead of sending its next turn)."""
+        return self._abort_epoch
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -141,11 +158,28 @@ class RolloutClient(ControlMixin):
         if state is not None:
             await state[0].close()
 
+    async def _cancel_pending(self) -> None:
+        """Cancel every other task of the background loop and let it finish (at most
+        `CLEANUP_TIMEOUT_S`): a loop stopped under pending tasks makes asyncio print
+        "Task was destroyed but it is pending!" with each task's stack."""
+        from megatron_bapo.rollout.control import CLEANUP_TIMEOUT_S
+
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLEANUP_TIMEOUT_S)
+
     def close(self) -> None:
+        """Cancel what still runs on the background loop, close the session, stop the loop."""
         if self._background is not None:
-            self.run(self.aclose())
-            self._background.stop()
-            self._background = None
+            self.stopping = True
+            try:
+                self._background.run(self._cancel_pending())
+                self._background.run(self.aclose())
+            finally:
+                self._background.stop()
+                self._background = None
 
     def __enter__(self) -> "RolloutClient":
         return self
@@ -212,6 +246,8 @@ class RolloutClient(ControlMixin):
                 if epoch != self._abort_epoch:
                     self.stats["num_aborted_before_send"] += 1
                     return aborted_result(uuid.uuid4().hex, last_url or "")
+                if attempt and self.stopping:
+                    break
                 if attempt:
                     self.stats["num_retries"] += 1
                     await asyncio.sleep(self._backoff(attempt))

@@ -24,22 +24,28 @@ import aiohttp
 
 from megatron_bapo.rollout.errors import RolloutError
 from megatron_bapo.rollout.protocol import parse_version
-from megatron_bapo.sync.config import PAUSE_MODES
+from megatron_bapo.weight_update import PAUSE_MODES
 
 logger = logging.getLogger(__name__)
+CLEANUP_TIMEOUT_S = 2.0
+"""Once the client is `stopping` (the run ends, by SIGTERM or an error), each call is one attempt of at
+most this long: SLURM kills 30 s after SIGTERM, and a dead server must not hold the teardown."""
 
 
 class ControlMixin:
     """Needs `config`, `_session()`, `run()`, `_backoff()`, `_abort_epoch`, `_rid_url`, `_workers`,
-    `max_weight_version`."""
+    `max_weight_version`, `stopping`."""
 
     # ------------------------------------------------------------------ one request, one policy
     async def _request(self, method: str, url: str, path: str, body: Optional[dict] = None,
                        timeout: Optional[float] = None, *, retry: bool = True) -> tuple[int, str]:
         """(status, text) of one control request; transport failures and 5xx retried when `retry`."""
         session, _ = self._session()
-        t = aiohttp.ClientTimeout(total=timeout or self.config.control_timeout_s, sock_connect=self.config.connect_timeout_s)
+        timeout = timeout or self.config.control_timeout_s
         attempts = self.config.max_retries + 1 if retry else 1
+        if self.stopping:  # teardown: one short attempt (CLEANUP_TIMEOUT_S)
+            timeout, attempts = min(timeout, CLEANUP_TIMEOUT_S), 1
+        t = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, self.config.connect_timeout_s))
         last: Any = None
         for attempt in range(attempts):
             if attempt:
@@ -115,8 +121,8 @@ class ControlMixin:
         self._abort_epoch += 1
         out = await self._each(lambda u: self._request("POST", u, "/abort_request", {"rid": "", "abort_all": True}, 30))
         for url, res in out.items():
-            if isinstance(res, BaseException):
-                logger.warning("abort_all on %s failed: %r", url, res)
+            if isinstance(res, BaseException):  # at teardown a dead server is expected: not a warning
+                (logger.info if self.stopping else logger.warning)("abort_all on %s failed: %r", url, res)
 
     def abort_all(self) -> None:
         """Sync `aabort_all`; safe to call from another thread while a rollout step runs."""
@@ -141,7 +147,7 @@ class ControlMixin:
                 status, text = await self._request("POST", url, "/flush_cache", None, 30)
                 if status == 200:
                     return
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self.stopping:
                     raise RolloutError(f"{url}/flush_cache did not succeed within "
                                        f"{self.config.flush_cache_timeout_s} s: {text[:200]}")
                 await asyncio.sleep(1.0)
@@ -154,7 +160,7 @@ class ControlMixin:
                                         abort_all_requests: bool = False, only: Optional[list[str]] = None) -> None:
         """Every worker (or the workers in `only`) loads the HF checkpoint at `model_path` and reports
         `weight_version`; `flush_cache` is sent explicitly (SGLang 0.5.23 refuses the update's flush
-        while requests hold KV, e.g. paused in place: `sync.config.flushes_cache`).
+        while requests hold KV, e.g. paused in place: `weight_update.flushes_cache`).
 
         Raises RolloutError naming each worker that failed (unreachable, 400, success false): a
         worker left on old weights would silently serve a different policy.
@@ -201,6 +207,27 @@ class ControlMixin:
         returns only when the rendezvous completes, so the caller joins the group meanwhile."""
         await self._each_or_raise("init_weights_update_group", lambda u: self._expect_success(
             u, "/init_weights_update_group", bodies[u], retry=False, timeout=timeout))
+
+    async def aclear_weight_group(self, group_name: str) -> dict[str, list[str]]:
+        """End an open weight-update session and destroy the weight group `group_name` on every worker,
+        one attempt each; returns what each worker held ([] for a clean one, which answers both calls
+        with an error: nothing open). A server outlives a trainer that died (SIGKILL, a node lost): it
+        keeps the dead trainer's group (and its session, when killed mid-update), and a new trainer's
+        join under the same name is refused (`group ... already exists`) until that group is destroyed."""
+        async def one(url: str) -> list[str]:
+            held = []
+            for path, body, what in (("/end_weight_update", {}, "an open weight-update session"),
+                                     ("/destroy_weights_update_group", {"group_name": group_name},
+                                      f"the weight group {group_name!r}")):
+                status, text = await self._request("POST", url, path, body, retry=False)
+                try:
+                    ok = status == 200 and json.loads(text or "{}").get("success", True) is not False
+                except ValueError:
+                    ok = False
+                if ok:
+                    held.append(what)
+            return held
+        return await self._each_or_raise("clearing the weight group", one)
 
     async def adestroy_weights_update_group(self, group_name: str) -> None:
         await self._each_or_raise("destroy_weights_update_group", lambda u: self._expect_success(

@@ -32,8 +32,8 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
-from megatron_bapo.rollout.producer import RolloutRound
-from megatron_bapo.rollout.types import Prompt, RolloutGroup, SampleState
+from megatron_bapo.rollout.errors import RoundInterrupted
+from megatron_bapo.rollout.types import Prompt, RolloutGroup, RolloutRound, SampleState
 
 MODES = ("off", "filter", "refill")
 _LAST_VALUE = ("rollout/buffer_groups", "rollout/buffer_samples_partial")
@@ -57,6 +57,8 @@ class _Step:
     """Groups that finished and were scored in this step (each group once: length and variance stats)."""
     refill_prompts: list[int] = field(default_factory=list)
     """Prompt indices this step's refill rounds drew whose groups have not finished yet."""
+    first_round_done: bool = False
+    """The step's first round (its `prompts_per_step - carried` new prompts) ran: a resumed step only refills."""
     refill_rounds: int = 0
     num_refill_prompts: int = 0
     counters: dict[str, float] = field(default_factory=collections.Counter)
@@ -68,7 +70,8 @@ class _Step:
     def to_dict(self) -> dict[str, Any]:
         return {"drawn": [p.to_dict() for p in self.drawn], "kept": [g.to_dict() for g in self.kept],
                 "dropped": [g.to_dict() for g in self.dropped], "refill_prompts": list(self.refill_prompts),
-                "refill_rounds": self.refill_rounds, "num_refill_prompts": self.num_refill_prompts}
+                "first_round_done": self.first_round_done, "refill_rounds": self.refill_rounds,
+                "num_refill_prompts": self.num_refill_prompts}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "_Step":
@@ -76,7 +79,8 @@ class _Step:
                    kept=[RolloutGroup.from_dict(g) for g in d.get("kept", [])],
                    dropped=[RolloutGroup.from_dict(g) for g in d.get("dropped", [])],
                    refill_prompts=[int(i) for i in d.get("refill_prompts", [])],
-                   refill_rounds=int(d.get("refill_rounds", 0)), num_refill_prompts=int(d.get("num_refill_prompts", 0)))
+                   first_round_done=bool(d.get("first_round_done", False)), refill_rounds=int(d.get("refill_rounds", 0)),
+                   num_refill_prompts=int(d.get("num_refill_prompts", 0)))
 
 
 class DynamicSampler:
@@ -103,15 +107,25 @@ class DynamicSampler:
         self._step = _Step()
         self._carried = 0
         """Finished groups the last step put back into the buffer (refill): this step draws that many fewer."""
+        self._interrupted = False
+
+    def interrupt(self, flag: bool) -> None:
+        """While set, a refilling step stops before its next round (`RoundInterrupted`) and is kept:
+        a checkpoint then saves it (`state_dict`) and the next `produce` completes it."""
+        self._interrupted = flag
 
     async def produce(self, version: int) -> RolloutRound:
         """The step's round at policy `version`: its drawn prompts (refill draws included), the groups
         it trains (scored), the groups it dropped, and its metrics."""
         step = self._step
         carried = self._carried if self.mode == "refill" else 0
-        await self._round(self.prompts_per_step - carried, version, step, refill=False)
+        if not step.first_round_done:
+            await self._round(self.prompts_per_step - carried, version, step, refill=False)
+            step.first_round_done = True
         if self.mode == "refill":
             while len(step.kept) < self.prompts_per_step and step.refill_rounds < self.max_refill_rounds:
+                if self._interrupted:
+                    raise RoundInterrupted(f"step interrupted after {step.refill_rounds} refill round(s)")
                 step.refill_rounds += 1
                 await self._round(self.prompts_per_step - len(step.kept) - len(step.refill_prompts), version, step,
                                   refill=True)
@@ -194,9 +208,7 @@ class DynamicSampler:
 def manager_round(manager: Any) -> Callable[[Sequence[Prompt], int], Awaitable[RolloutRound]]:
     """`advance` for a `PartialRolloutManager`: one `astep` as a `RolloutRound`."""
     async def advance(prompts: Sequence[Prompt], version: int) -> RolloutRound:
-        groups = await manager.astep(prompts, version)
-        return RolloutRound(prompts=list(prompts), groups=groups, metrics=dict(manager.last_metrics),
-                            rejections=list(manager.last_rejections))
+        return await manager.astep(list(prompts), version)
     return advance
 
 

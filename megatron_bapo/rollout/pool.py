@@ -1,15 +1,35 @@
-"""Rank 0's rollout servers: the built-in ones it starts (and restarts), or external SGLang servers,
-and the one client that reaches them.
+"""Rank 0's rollout servers and everything that reaches them: the one owner of their life and state.
 
-    pool = ServerPool(rollout_config, model_path=..., seed=..., log_dir=..., state_path=...)
-    pool.start()                    # built-in servers on loopback unless rollout.client names servers
-    pool.ensure_alive()             # before a round and before a weight update: restart dead ones
-    pool.client                     # generation, control, sync and evaluation all go through it
-    pool.close()                    # abort in flight, close the client, stop the servers it started
+    pool = ServerPool(rollout_config, sync_config, model_path=..., seed=..., log_dir=..., state_path=...)
+    pool.start()                         # built-in servers on loopback unless rollout.client names servers
+    pool.client                          # generation, control and evaluation go through it
+    pool.version                         # the weight version every server serves (the one place it lives)
+    with pool.update(version) as session:            # restart dead servers, check flags, pause, begin
+        export.run(version, session)                 # session.load_from_disk(dir) / session.send(bucket)
+    # exit: end the session, continue generation; `pool.version` is `version` once it succeeded
+    pool.retry_after_restart(call)       # call(); if it failed because a built-in server died: restart, call again
+    pool.close()                         # abort in flight, leave the weight group, stop the servers it started
 
-`required_server_flags` lists the launch flags the sync and the client rely on; the built-in
-servers get them here, `examples/run_32b_bapo.sh` passes the same to `sglang.launch_server`, and
-`sync.delivery` checks them in every server's `/server_info` before the first update.
+Who talks to the servers? This class (through its `client`, and its weight group for the
+distributed sync). `megatron_bapo.sync` is what every actor rank does (gather, bucket, write or
+broadcast); rank 0's export hands its result to the session above, the other ranks' to a `NullSink`.
+
+An update follows SGLang 0.5.23 (spec sections 9, 10, 12):
+- pause: `sync.pause_mode` null = none (every update call takes the server's writer lock and waits
+  for the generation in flight); otherwise `/pause_generation {"mode": ...}` first and
+  `/continue_generation` last, even when the update fails;
+- distributed: `/begin_weight_update` on every server, then per bucket `/update_weights_from_distributed`
+  + the broadcast (`rollout.weight_group`), then `/end_weight_update` (also after a failure). The
+  weight group is built at the first update and rebuilt after a server restart; it refuses an NCCL
+  mismatch between this process and the servers;
+- flush: every update says `flush_cache` explicitly (`weight_update.flushes_cache`): true except
+  under the "in_place" pause, where SGLang refuses it; only the last bucket of a distributed update flushes;
+- disk: `/update_weights_from_disk`; a built-in server that died during it is restarted and every
+  server loads the version again (the directory is complete on disk).
+Before the first update every server's `/server_info` must show the flags the run relies on
+(`required_server_flags`): a seed SGLang would ignore, or KV an in-place pause could not flush, is
+refused there instead of silently changing what is trained. The built-in servers get the same flags
+here, and `examples/run_32b_bapo.sh` passes them to `sglang.launch_server`.
 """
 
 from __future__ import annotations
@@ -19,13 +39,20 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
 from megatron_bapo import run_state
+from megatron_bapo.config_io import ConfigError
 from megatron_bapo.rollout.client import API_KEY_ENV, RolloutClient
 from megatron_bapo.rollout.errors import RolloutError
+from megatron_bapo.weight_update import flushes_cache
+
+if TYPE_CHECKING:
+    from megatron_bapo.config import RolloutConfig
+    from megatron_bapo.sync.config import SyncConfig
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def required_server_flags(*, deterministic_inference: bool, pause_mode: Optional[str],
@@ -45,31 +72,49 @@ def required_server_flags(*, deterministic_inference: bool, pause_mode: Optional
     return flags
 
 
-class ServerPool:
-    """Owns the rollout servers of a run and its client (global rank 0)."""
+@dataclasses.dataclass(frozen=True)
+class ServedWeights:
+    """What every server serves: a weight version and, when one exists, the HF directory holding it
+    (the disk sync's newest; None under the distributed sync, which keeps no copy outside a sync)."""
 
-    def __init__(self, rollout: Any, *, model_path: str, seed: int, log_dir: Path, state_path: Path,
-                 server_flags: tuple[str, ...] = (), vocab_size: Optional[int] = None,
+    version: int
+    path: Optional[str] = None
+
+
+class ServerPool:
+    """Owns the rollout servers of a run (global rank 0): start, restart, pause, update, version."""
+
+    def __init__(self, rollout: "RolloutConfig", sync: Optional["SyncConfig"] = None, *, model_path: str, seed: int,
+                 log_dir: Path, state_path: Path, vocab_size: Optional[int] = None,
                  weight_version: Optional[int] = None) -> None:
-        """`vocab_size` and `weight_version` (the trainer's version at start) bound what the client
+        """`rollout`: the servers, the client and the flags requests rely on (`deterministic_inference`,
+        `return_routed_experts`); `sync`: how updates reach the servers (default `SyncConfig()`).
+        `vocab_size` and `weight_version` (the trainer's version at start) bound what the client
         accepts in replies (`protocol.parse_generate_reply`)."""
-        self.rollout = rollout
+        from megatron_bapo.sync.config import SyncConfig
+
+        self.rollout, self.sync = rollout, sync or SyncConfig()
         self.vocab_size, self.weight_version = vocab_size, weight_version
-        self.model_path = model_path
-        self.seed = seed
-        self.log_dir = log_dir
-        self.state_path = state_path
-        self.server_flags = list(server_flags)
+        self.model_path, self.seed, self.log_dir, self.state_path = model_path, seed, log_dir, state_path
+        self.server_flags = required_server_flags(deterministic_inference=rollout.deterministic_inference,
+                                                  pause_mode=self.sync.pause_mode,
+                                                  routed_experts=rollout.return_routed_experts)
         self.servers: list[Any] = []
         self.restarts: list[int] = []
         """Restarts so far of each built-in server (rollout.max_server_restarts bounds them)."""
         self.num_restarted = 0
         """Servers restarted so far in total: a weight group built before a restart lacks the new one."""
-        self.latest_disk_weights: Optional[tuple[str, int]] = None
-        """The newest HF directory every server loaded, and its version (a restarted server loads it)."""
-        self.version = 0
-        """The version every server serves (0: `model_path` as started); set by each delivered update."""
+        self.served = ServedWeights(0, None)
+        """What every server serves (version 0: `model_path` as started); set by each completed update."""
         self.client: Optional[RolloutClient] = None
+        self._sender: Any = None  # rollout.weight_group.DistributedWeightSender, built at the first update
+        self._group_restarts = -1
+        self._checked = False
+
+    @property
+    def version(self) -> int:
+        """The weight version every server serves: the version new rollout rounds are labelled with."""
+        return self.served.version
 
     # ------------------------------------------------------------------ start / stop
     def start(self) -> RolloutClient:
@@ -102,10 +147,15 @@ class ServerPool:
         run_state.write_json_atomic(self.state_path, [{"url": s.url, "pid": s.pid} for s in self.servers])
 
     def close(self) -> None:
-        """Abort what is in flight, close the client, stop the built-in servers (by PID)."""
+        """Abort what is in flight, leave the weight group, close the client, stop the built-in servers (by PID)."""
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.abort_all()
+        if self._sender is not None:
+            with contextlib.suppress(Exception):
+                self._sender.close()
+            self._sender = None
+        if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.close()
         for server in self.servers:
@@ -142,21 +192,36 @@ class ServerPool:
             self.client.wait_healthy()
         return restarted
 
+    def retry_after_restart(self, call: Callable[[], T], *, updating: bool = False,
+                            before_retry: Optional[Callable[[], None]] = None) -> T:
+        """`call()`; when it raises RolloutError because a built-in server died, restart the dead ones
+        (`ensure_alive`, which brings them to the served version), run `before_retry` and call again.
+        The one place a failed call meets a restart: a failure with every server alive (an external
+        server, a rejected request), or a server out of restarts, raises."""
+        while True:
+            try:
+                return call()
+            except RolloutError:
+                if not self.any_dead() or not self.ensure_alive(updating=updating):
+                    raise
+                if before_retry is not None:
+                    before_retry()
+
     def _give_current_version(self, restarted: list[str], *, updating: bool) -> None:
         """A restarted server starts from `model_path` as version 0; bring it to `self.version` (the
         disk sync's newest directory) or stop: serving the base model as a later version's stand-in
         would label every token with a stale version (regenerated forever) or train on the wrong policy."""
-        if self.version == 0:
+        version, path = self.served.version, self.served.path
+        if version == 0:
             return
-        if self.latest_disk_weights is None or self.latest_disk_weights[1] != self.version:
+        if path is None:
             if updating:  # the update about to run gives every server the next version
                 return
             raise RolloutError(
-                f"built-in server(s) {', '.join(restarted)} restarted, but version {self.version} exists on no disk "
+                f"built-in server(s) {', '.join(restarted)} restarted, but version {version} exists on no disk "
                 f"(sync.method=distributed sends weights only during a sync), so they would serve {self.model_path} "
                 f"as version 0; rerun with --resume (the resume's first sync gives every server the checkpoint's "
                 f"weights) or use sync.method=disk")
-        path, version = self.latest_disk_weights
         if not Path(path).is_dir():
             raise RolloutError(f"built-in server(s) {', '.join(restarted)} restarted, but version {version}'s "
                                f"weights {path} are gone, so they would serve {self.model_path} as version 0; "
@@ -167,3 +232,108 @@ class ServerPool:
             raise RolloutError(f"built-in server(s) {', '.join(restarted)} restarted but could not load version "
                                f"{version} from {path}: {exc}") from exc
         logger.info("restarted server(s) %s now serve version %d (%s)", ", ".join(restarted), version, path)
+
+    # ------------------------------------------------------------------ weight updates
+    @contextlib.contextmanager
+    def update(self, version: int) -> Iterator["UpdateSession"]:
+        """One update of every server to `version` (see the module docstring); the session is the
+        export's sink. `self.version` becomes `version` when the update completed."""
+        self.ensure_alive(updating=True)
+        if not self._checked:
+            self._check_servers()
+        client, mode = self.client, self.sync.pause_mode
+        session = UpdateSession(self, version)
+        if mode is not None:
+            client.pause_generation(mode)
+        try:
+            if self.sync.method == "distributed":
+                self._ensure_group()
+                client.run(client.abegin_weight_update(), timeout=self.sync.group_timeout_s)
+                try:
+                    yield session
+                finally:
+                    client.run(client.aend_weight_update(), timeout=self.sync.group_timeout_s)
+                self.served = ServedWeights(version, None)
+                logger.info("weight sync v%s: %d tensors over %s", version, session.num_tensors, self.sync.backend)
+            else:
+                yield session
+        finally:
+            if mode is not None:
+                client.continue_generation()
+
+    def _load_from_disk(self, path: Path, version: int) -> None:
+        """Every server loads the complete HF directory `path` as `version`; a built-in server that
+        died during the load is restarted and every server loads it again."""
+        where = str(Path(path).absolute())
+        flush = flushes_cache(self.sync.pause_mode)
+        self.retry_after_restart(lambda: self.client.update_weights_from_disk(where, version, flush_cache=flush),
+                                 updating=True)
+        self.served = ServedWeights(version, where)
+        logger.info("weight sync v%s: %s loaded", version, path)
+
+    def _server_infos(self) -> dict[str, dict]:
+        """Every server's `/server_info` (a built-in server can die after `ensure_alive` looked)."""
+        return self.retry_after_restart(lambda: self.client.run(self.client.aget_server_info()), updating=True)
+
+    def _check_servers(self) -> None:
+        """Every server runs with the flags this run relies on (see the module docstring)."""
+        for url, info in self._server_infos().items():
+            if self.rollout.deterministic_inference and not info.get("enable_deterministic_inference"):
+                raise ConfigError(f"rollout.deterministic_inference is true but server {url} runs without "
+                                  f"--enable-deterministic-inference, so it would ignore every sampling_seed; "
+                                  f"launch it with that flag or set rollout.deterministic_inference=false")
+            if self.sync.pause_mode == "in_place" and not info.get("disable_radix_cache"):
+                raise ConfigError(f"sync.pause_mode=in_place but server {url} keeps a radix cache: the update cannot "
+                                  f"flush it while requests hold KV, so later requests would reuse KV of older "
+                                  f"weights; launch it with --disable-radix-cache or use sync.pause_mode=retract")
+        self._checked = True
+
+    def _ensure_group(self) -> None:
+        """The distributed weight group with every server, (re)built when a server restarted since."""
+        if self._sender is not None and self._group_restarts == self.num_restarted:
+            return
+        from megatron_bapo.rollout.weight_group import DistributedWeightSender, check_nccl
+
+        if self._sender is not None:  # a restarted server is not in the old group
+            self._sender.close()
+            self._sender = None
+        infos = self._server_infos()
+        urls = self.client.worker_urls()
+        if self.sync.backend == "nccl":
+            check_nccl(infos)
+        self._clear_stale_groups()
+        sender = DistributedWeightSender(self.client, backend=self.sync.backend, master_address=self.sync.master_address,
+                                         master_port=int(self.sync.master_port), timeout_s=self.sync.group_timeout_s)
+        sender.connect([int((infos[u] or {}).get("tp_size", 1)) for u in urls])
+        self._sender, self._group_restarts = sender, self.num_restarted
+
+
+    def _clear_stale_groups(self) -> None:
+        """Servers outlive trainers: before joining, end any open update session and destroy any group
+        of our name on every server (left by a trainer that died; SGLang keeps both, and refuses a new
+        join under that name until the group is destroyed). One line names what each server held."""
+        from megatron_bapo.weight_update import DEFAULT_GROUP
+
+        held = self.client.run(self.client.aclear_weight_group(DEFAULT_GROUP), timeout=self.sync.group_timeout_s)
+        for url, what in held.items():
+            if what:
+                logger.warning("server %s still held %s of an earlier trainer (one that died): closed before joining "
+                               "this run's weight group", url, " and ".join(what))
+
+
+class UpdateSession:
+    """The sink of one update on rank 0 (`sync.export.Sink`): what the export hands over goes to every server."""
+
+    def __init__(self, pool: ServerPool, version: int) -> None:
+        self.pool, self.version = pool, version
+        self.num_tensors = 0
+
+    def load_from_disk(self, path: Path, version: int) -> None:
+        self.pool._load_from_disk(path, version)
+
+    def send(self, bucket: list, *, last: bool) -> int:
+        """One bucket of (hf_name, tensor) to every server; the last carries the version and the flush."""
+        sent = self.pool._sender.send(bucket, weight_version=str(self.version) if last else None,
+                                      flush_cache=last and flushes_cache(self.pool.sync.pause_mode))
+        self.num_tensors += sent
+        return sent

@@ -9,13 +9,17 @@ hands them to the trainer thread in order (`next`):
 - pacing: round r may start once the trainer has asked for round r - `ahead`. With `ahead` = 0 a
   round starts only when the trainer asks for it (the synchronous loop: generate, then train); with
   `ahead` = k the rounds of steps n+1..n+k run while the actor trains step n.
-- versions: a round passes the newest version the trainer published (`publish`) to the manager,
-  which labels tokens with the servers' reported versions; when a round is handed over, groups
-  holding a token more than `max_staleness` versions behind the trainer's version are reset into
-  the buffer (regenerated, counted), so the cap bounds what is TRAINED, not only what is resumed.
+- versions: a round passes the version the servers serve (`served_version()`, the server pool's) to
+  the manager, which labels tokens with the servers' reported versions; when a round is handed over,
+  the manager sends groups too stale to train at the trainer's version back into its buffer
+  (`requeue_stale`: regenerated, counted), so the cap bounds what is TRAINED, not only what is resumed.
+- results: every round's groups, metrics and rejections are `produce`'s return value; the producer
+  never reads or writes the manager's state.
 - checkpoints: `pause()` lets the running round finish and starts no new one; then `state_dict()`
   holds the finished rounds not yet handed over (prompts, tokens, log-probs, versions) next to the
-  manager's buffer, and nothing is in flight. `resume()` goes on. A restored producer hands the
+  manager's buffer, and nothing is in flight. With `pause(abort=True)` a step that needs more
+  rollout rounds (refill) is interrupted (`RoundInterrupted`) instead of finished: it is not handed
+  over, the sampler keeps it (and checkpoints it), and `resume()` completes it. `resume()` goes on. A restored producer hands the
   saved rounds over first, so no prompt is lost or drawn twice across a kill and resume.
 - errors: a round that fails (RolloutError: every server failed; its groups stay buffered) stops
   the producer and the trainer's next `next()` raises it, as the synchronous loop would; the prompts
@@ -27,51 +31,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
 
+from megatron_bapo.rollout.errors import RoundInterrupted
 from megatron_bapo.rollout.partial import PartialRolloutManager
-from megatron_bapo.rollout.types import Prompt, RolloutGroup
+from megatron_bapo.rollout.types import RolloutRound
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class RolloutRound:
-    """One round: the prompts it drew, the groups it trains, the groups it dropped, its `rollout/*` metrics."""
-
-    prompts: list[Prompt]
-    groups: list[RolloutGroup]
-    metrics: dict[str, float] = field(default_factory=dict)
-    rejections: list[str] = field(default_factory=list)
-    """The servers' messages for requests they rejected (4xx) in this round (their groups were dropped)."""
-    dropped: list[RolloutGroup] = field(default_factory=list)
-    """Finished groups not trained because their rewards are all equal (`rollout.dynamic_sampling`)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"prompts": [p.to_dict() for p in self.prompts], "groups": [g.to_dict() for g in self.groups],
-                "metrics": dict(self.metrics), "rejections": list(self.rejections),
-                "dropped": [g.to_dict() for g in self.dropped]}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RolloutRound":
-        return cls(prompts=[Prompt.from_dict(p) for p in d["prompts"]],
-                   groups=[RolloutGroup.from_dict(g) for g in d["groups"]], metrics=dict(d.get("metrics", {})),
-                   rejections=list(d.get("rejections", [])),
-                   dropped=[RolloutGroup.from_dict(g) for g in d.get("dropped", [])])
+__all__ = ["RolloutProducer", "RolloutRound"]
 
 
 class RolloutProducer:
-    """Produces rounds on `client`'s event loop; the trainer thread calls `next`, `publish`, `pause`."""
+    """Produces rounds on `client`'s event loop; the trainer thread calls `next`, `pause`, `resume`."""
 
     def __init__(self, client: Any, manager: PartialRolloutManager, produce: Callable[[int], Awaitable[RolloutRound]],
-                 *, ahead: int, version: int = 0) -> None:
+                 *, ahead: int, served_version: Callable[[], int],
+                 interrupt: Optional[Callable[[bool], None]] = None) -> None:
         """`produce(version)`: one step's round (`DynamicSampler.produce`; `dynamic_sampling.rollout_round`
-        without rewards)."""
+        without rewards). `served_version`: the version the servers serve now (`ServerPool.version`),
+        read when a round starts. `interrupt(flag)`: told True by `pause(abort=True)` and False by
+        `resume()` (`DynamicSampler.interrupt`), so that a refilling step stops between its rounds."""
         if ahead < 0:
             raise ValueError(f"RolloutProducer: ahead must be >= 0, got {ahead}")
         self.client, self.manager, self.produce, self.ahead = client, manager, produce, ahead
-        self.version = version
+        self.served_version, self.interrupt = served_version, interrupt
         self.ready: list[RolloutRound] = []
         self.requested = 0
         """Rounds the trainer has asked for (handed over or being waited for)."""
@@ -89,9 +73,14 @@ class RolloutProducer:
             async with cond:
                 await cond.wait_for(lambda: not self._paused and self.produced < self.requested + self.ahead)
                 self._busy = True
-                version = self.version
+                version = self.served_version()
             try:
                 done = await self.produce(version)
+            except RoundInterrupted:  # paused with abort mid-step: the sampler keeps the step, resume completes it
+                async with cond:
+                    self._busy = False
+                    cond.notify_all()
+                continue
             except BaseException as exc:  # noqa: BLE001 - handed to the trainer thread by next()
                 # The failed round's groups stay buffered; the round that completes the step reports its prompts.
                 async with cond:
@@ -122,11 +111,9 @@ class RolloutProducer:
                 self.requested -= 1  # not handed over: asking again after a restart is the same request
                 raise self._error
             done = self.ready.pop(0)
-        kept = self._drop_stale(done.groups, version)
-        regenerated = sum(len(g.samples) for g in done.groups if all(g is not k for k in kept))
+        done.groups, regenerated = self.manager.requeue_stale(done.groups, version)
         if regenerated:  # the step that trains this round reports them with the round's own
             done.metrics["rollout/num_regenerated"] = done.metrics.get("rollout/num_regenerated", 0.0) + regenerated
-        done.groups = kept
         return done, time.monotonic() - started
 
     def next(self, version: int) -> tuple[RolloutRound, float]:
@@ -134,43 +121,27 @@ class RolloutProducer:
         seconds the trainer waited. Raises the producer's error if it stopped."""
         return self.client.run(self._next(version))
 
-    def _drop_stale(self, groups: list[RolloutGroup], version: int) -> list[RolloutGroup]:
-        """Groups too stale to train at `version` go back into the manager's buffer, reset."""
-        cap = self.manager.config.max_staleness
-        if cap is None:
-            return groups
-        keep, stale = [], []
-        for g in groups:
-            oldest = min((v for s in g.samples for v in s.response_versions), default=version)
-            (stale if version - oldest > cap else keep).append(g)
-        for g in stale:
-            for s in g.samples:
-                s.reset()
-                s.num_regenerations += 1
-            self.manager.totals["num_regenerated"] += len(g.samples)
-        self.manager.buffer[:0] = stale  # regenerated first, as the oldest groups
-        if stale:
-            logger.info("%d finished group(s) more than %d versions behind version %d: regenerated", len(stale), cap, version)
-        return keep
-
-    async def _publish(self, version: int) -> None:
-        async with self._cond:
-            self.version = version
-
-    def publish(self, version: int) -> None:
-        """The servers now serve `version`: rounds started from now on use it."""
-        self.client.run(self._publish(version))
-
-    async def _pause(self) -> None:
+    async def _pause(self, abort: bool) -> None:
         async with self._cond:
             self._paused = True
+            busy = self._busy
+        if abort and busy:  # the round's requests come back now, with the tokens they have (kept, resumed later)
+            if self.interrupt is not None:
+                self.interrupt(True)
+            await self.client.aabort_all()
+        async with self._cond:
             await self._cond.wait_for(lambda: not self._busy)
 
-    def pause(self) -> None:
-        """Let the running round finish and start no new one (nothing in flight afterwards)."""
-        self.client.run(self._pause())
+    def pause(self, *, abort: bool = False) -> None:
+        """Start no new round and wait for the running one (nothing in flight afterwards). `abort`: do
+        not let it run to its end: its requests are aborted, and every response keeps the tokens it
+        has as a partial rollout (state ABORTED, resumed by the next round); the groups it finished are
+        its result. A checkpoint pauses so: at 64k tokens a round runs for minutes, while every rank waits."""
+        self.client.run(self._pause(abort))
 
     async def _resume(self) -> None:
+        if self.interrupt is not None:
+            self.interrupt(False)
         async with self._cond:
             self._paused = False
             self._cond.notify_all()

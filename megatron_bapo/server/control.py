@@ -17,12 +17,12 @@ from megatron_bapo.server.http import STATE_KEY, read_json, read_object
 from megatron_bapo.server.protocol import RequestError
 from megatron_bapo.server.state import ServerState
 from megatron_bapo.server.weights import load_model
-from megatron_bapo.sync.config import PAUSE_MODES as SYNC_PAUSE_MODES
+from megatron_bapo.weight_update import PAUSE_MODES as WIRE_PAUSE_MODES
 
 logger = logging.getLogger(__name__)
 
-PAUSE_MODES = tuple(m for m in SYNC_PAUSE_MODES if m is not None)
-"""`/pause_generation` modes (the trainer's `sync.pause_mode` without null)."""
+PAUSE_MODES = tuple(m for m in WIRE_PAUSE_MODES if m is not None)
+"""`/pause_generation` modes (the wire protocol's, without None: no pause)."""
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

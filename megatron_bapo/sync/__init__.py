@@ -1,22 +1,17 @@
-"""Weight sync from the actor to the rollout servers (design section 3 step 7), in two halves.
+"""Weight sync from the actor to the rollout servers (design section 3 step 7): what every actor rank does.
 
-- Export (`sync.export`, every actor rank): gather the weights over TP/PP and either write an HF
-  safetensors directory (`DiskExport`) or cut HF-named buckets (`DistributedExport`), handing the
-  result to a sink. Collective over all actor ranks; it never talks HTTP.
-- Delivery (`sync.delivery.WeightDelivery`, global rank 0 only, owned by the driver next to the
-  server pool): everything that reaches the servers: restart dead built-in servers, pause
-  (`sync.pause_mode`), the `/begin_weight_update` ... `/end_weight_update` session and the
-  `/update_weights_from_distributed` broadcasts (`sync.sender`), `/update_weights_from_disk`, the
-  explicit `flush_cache` of each update (`config.flushes_cache`), continue, and the new version.
-  Ranks above 0 hold `NullDelivery`, whose sink drops what the export hands it.
+Export (`sync.export`, every actor rank): gather the weights over TP/PP and either write an HF
+safetensors directory (`DiskExport`) or cut HF-named buckets (`DistributedExport`), handing the
+result to a sink. Collective over all actor ranks; it never talks HTTP. Rank 0's sink is the server
+pool's update session (`rollout.pool.ServerPool.update`: pause, update session, flush, restarts,
+version); every other rank's is `NullSink`.
 
-    with driver.weight_update(version) as sink:    # rank 0: a real session; others: a null sink
+    with driver.weight_update(version) as sink:    # rank 0: pool.update(version); others: NullSink
         export.run(version, sink)                   # every rank: gather; rank 0's sink delivers
 
-This package's `__init__` imports only the config (the built-in server and the client read the pause
-modes without importing the Megatron side).
+The pause modes and the flush rule are the wire protocol's (`megatron_bapo.weight_update`).
 """
 
-from megatron_bapo.sync.config import PAUSE_MODES, SyncConfig, flushes_cache
+from megatron_bapo.sync.config import SyncConfig
 
-__all__ = ["PAUSE_MODES", "SyncConfig", "flushes_cache"]
+__all__ = ["SyncConfig"]

@@ -1,4 +1,5 @@
-"""The weight sync's config (`sync` section of the run config) and the one list of pause modes."""
+"""The weight sync's config (`sync` section of the run config); the pause modes it names are the wire
+protocol's (`megatron_bapo.weight_update.PAUSE_MODES`)."""
 
 from __future__ import annotations
 
@@ -6,23 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_bapo.config_io import ConfigError
-
-PAUSE_MODES: tuple[Optional[str], ...] = (None, "abort", "retract", "in_place")
-"""How an update meets generation in flight (`SyncConfig.pause_mode`); the client, the built-in
-server and the config all use this tuple (the server's `/pause_generation` takes the three names)."""
-
-
-def flushes_cache(pause_mode: Optional[str]) -> bool:
-    """Whether an update under `pause_mode` asks the servers to flush their prefix cache.
-
-    SGLang 0.5.23 flushes after an update only when no request holds KV: true with no pause (the
-    writer lock waited for every request), "abort" (none left) and "retract" (requests wait without
-    KV); "in_place" keeps the running requests' KV, so the flush is refused (`success: false`, the
-    update call fails). Under "in_place" the servers must therefore run without a radix cache
-    (`--disable-radix-cache`, checked at the first sync), so no later request reuses KV that older
-    weights computed.
-    """
-    return pause_mode != "in_place"
+from megatron_bapo.weight_update import PAUSE_MODES
 
 
 @dataclass
@@ -44,7 +29,7 @@ class SyncConfig:
     keep_versions: int = 2
     """HF directories kept under `output_dir/hf_sync/` ("disk"); older ones are deleted."""
     pause_mode: Optional[str] = None
-    """How an update meets generation in flight (`megatron_bapo.sync.delivery`): null waits for the
+    """How an update meets generation in flight (`megatron_bapo.rollout.pool.ServerPool.update`): null waits for the
     in-flight requests (SGLang's writer lock; between segments with partial rollout); "abort"
     returns them with their partial tokens (resumed under the new weights); "retract" / "in_place"
     keep them running on the new weights, with per-token versions ("in_place" needs servers without

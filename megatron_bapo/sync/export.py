@@ -1,6 +1,6 @@
 """The export half of the weight sync, on every actor rank: gather the live weights and hand them to a sink.
 
-A sink is rank 0's delivery session (`sync.delivery`) or, on every other rank, `NullSink`:
+A sink is rank 0's update session (`rollout.pool.ServerPool.update`) or, on every other rank, `NullSink`:
 
     sink.load_from_disk(path, version)     # DiskExport: after the HF directory is complete
     sink.send(bucket, last=...)            # DistributedExport: each bucket of (hf_name, full tensor)
@@ -25,8 +25,13 @@ logger = logging.getLogger(__name__)
 _VERSION_DIR = re.compile(r"^v(\d+)(\.tmp|\.old)?$")
 
 
+class ExportWriteError(RuntimeError):
+    """The disk export could not write a version (a full disk, a quota): one line naming the path and
+    the space left (the trainer adds where `--resume` continues); the partial version is gone."""
+
+
 class Sink(Protocol):
-    """What an export hands its result to (rank 0: `delivery.UpdateSession`; others: `NullSink`)."""
+    """What an export hands its result to (rank 0: `rollout.pool.UpdateSession`; others: `NullSink`)."""
 
     def load_from_disk(self, path: Path, version: int) -> None: ...
 
@@ -66,13 +71,33 @@ class DiskExport:
         if p.dp_rank == 0 and p.cp_rank == 0 and p.tp_rank == 0 and p.pp_rank == 0:  # save_model_as_hf's writer
             self._delete(lambda v: v > version, why=f"newer than version {version}, which is being published")
         target = self.root / f"v{version:06d}"
-        written = save_model_as_hf(self.actor.model, self.hf_config, target, tokenizer_src=self.tokenizer_src,
-                                   max_shard_bytes=int(self.config.bucket_bytes), parallel=self.actor.parallel)
+        try:
+            written = save_model_as_hf(self.actor.model, self.hf_config, target, tokenizer_src=self.tokenizer_src,
+                                       max_shard_bytes=int(self.config.bucket_bytes), parallel=self.actor.parallel)
+        except Exception as exc:
+            raise self._write_failure(target, version, exc) or exc
         if written is None:  # not the writing rank: the directory is rank 0's to deliver
             return
         sink.load_from_disk(written, version)
         kept = sorted(v for v in self.versions() if v <= version)[-self.config.keep_versions:]
         self._delete(lambda v: v not in kept)  # older than sync.keep_versions (routine)
+
+    def _write_failure(self, target: Path, version: int, exc: BaseException) -> Optional["ExportWriteError"]:
+        """A write that failed (a full disk, a quota; every rank raises, the writer its own error):
+        the partial version is removed and the error names it and the space left; None for any other
+        error (a bug: re-raised as is)."""
+        from megatron_bapo import run_state
+
+        tmp = target.with_name(target.name + ".tmp")
+        full = run_state.out_of_space(tmp, exc)  # measured before the partial version is removed
+        cause = run_state.write_failure_of(exc) or (str(full) if full is not None else None)
+        if cause is None:
+            return None
+        for path in (tmp, target):
+            shutil.rmtree(path, ignore_errors=True)
+        free = run_state.free_bytes(target)
+        return ExportWriteError(f"writing weight version {version} to {target} failed: {cause}; {free} bytes "
+                                f"({free / 2**20:.1f} MiB) are free there after removing the partial version")
 
     def versions(self) -> dict[int, Path]:
         """Complete version directories under the root: {version: path} (`v000012` is version 12)."""

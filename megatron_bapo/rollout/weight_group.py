@@ -1,5 +1,8 @@
 """Trainer rank 0's side of the distributed weight-update group (spec section 10), for any tensors.
 
+Owned by the server pool (`rollout.pool.ServerPool`, which builds it at the first distributed
+update and rebuilds it after a server restart); usable alone with any client:
+
     sender = DistributedWeightSender(client, backend="gloo", timeout_s=600)
     sender.connect(ranks_per_server)               # every server joins; the trainer is rank 0
     sender.send(bucket, weight_version="12", flush_cache=True)   # bucket: list of (hf_name, tensor)
@@ -7,7 +10,7 @@
 
 `send` must run inside a `/begin_weight_update` ... `/end_weight_update` session (SGLang 0.5.23
 refuses the update otherwise, after this side already started broadcasting); the session, the pause
-and the flush policy are the caller's (`sync.delivery`). Server i gets `rank_offset = 1 + ranks of
+and the flush policy are the caller's (`rollout.pool`). Server i gets `rank_offset = 1 + ranks of
 the servers before it` (`ranks_per_server`: each server's TP size, 1 for the built-in server).
 Every HTTP call blocks until the collective it announces is done, so the calls are started on the
 rollout client's loop (`client.submit`) while this thread joins the rendezvous or broadcasts, and
@@ -18,8 +21,12 @@ which the built-in server uses too, so both sides speak exactly one protocol.
 from __future__ import annotations
 
 import logging
+import os
+import threading
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megatron_bapo.config_io import ConfigError
 from megatron_bapo.rollout.errors import RolloutError
 from megatron_bapo.weight_update import (
     DEFAULT_GROUP,
@@ -27,10 +34,16 @@ from megatron_bapo.weight_update import (
     destroy_weights_update_group,
     host_store,
     init_weights_update_group,
+    nccl_version,
     update_request_body,
 )
 
 logger = logging.getLogger(__name__)
+
+SERVER_NCCL_ENV = "SGLANG_NCCL_VERSION"
+"""The servers' NCCL version when they do not report one (SGLang's `/server_info` does not): this
+variable, or the file `$SGLANG_NCCL_VERSION_FILE` where the image records the SGLang environment's
+NCCL at build time (Dockerfile)."""
 
 
 class DistributedWeightSender:
@@ -63,16 +76,41 @@ class DistributedWeightSender:
                       "rank_offset": 1 + sum(ranks[:i]), "world_size": world, "group_name": self.group_name,
                       "backend": self.backend} for i, u in enumerate(self.urls)}
         pending = self.client.submit(self.client.ainit_weights_update_group(bodies, timeout=self.timeout_s))
-        try:
-            self.pg = init_weights_update_group(self.backend, self.master_address, self.master_port, 0, world,
-                                                self.group_name, timeout_s=self.timeout_s, store=store)
-        except Exception as exc:
-            pending.cancel()
-            raise RolloutError(f"joining the weight update group at {self.master_address}:{self.master_port} "
-                               f"failed within sync.group_timeout_s={self.timeout_s}: {exc}") from exc
+        self.pg = self._join(pending, world, store)
         pending.result(self.timeout_s)
         logger.info("weight update group %s: world size %d (trainer + %s server ranks, %s)",
                     self.group_name, world, ranks, self.backend)
+
+    def _join(self, pending: Any, world: int, store: Any) -> Any:
+        """Join as rank 0 while the servers' join calls are pending. A server answers its call only once
+        the rendezvous completed, so an answer before that is a refusal (e.g. `group ... already exists`
+        from a server an earlier trainer left its group on): it stops the wait at once, its reply in the
+        error, instead of waiting out `sync.group_timeout_s` for a rank that will never come. The
+        rendezvous runs in a daemon thread so this one stays responsive (a SIGTERM lands too)."""
+        box: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                box["pg"] = init_weights_update_group(self.backend, self.master_address, self.master_port, 0, world,
+                                                      self.group_name, timeout_s=self.timeout_s, store=store)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the waiting thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=join, name="weight-group-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            if thread.is_alive() and pending.done() and pending.exception() is not None:
+                raise RolloutError(f"a server refused to join the weight update group {self.group_name!r}: "
+                                   f"{pending.exception()}") from pending.exception()
+        if "error" in box:
+            pending.cancel()
+            exc = box["error"]
+            refused = pending.exception() if pending.done() else None
+            raise RolloutError(f"joining the weight update group at {self.master_address}:{self.master_port} "
+                               f"failed within sync.group_timeout_s={self.timeout_s}: {exc}"
+                               + (f"; a server answered: {refused}" if refused else "")) from exc
+        return box["pg"]
 
     def send(self, bucket: Sequence, *, weight_version: Optional[str] = None, flush_cache: bool = False,
              flattened: bool = False) -> int:
@@ -100,3 +138,25 @@ class DistributedWeightSender:
                 logger.warning("destroy_weights_update_group: %s", exc)
             destroy_weights_update_group(self.pg)
             self.pg = None
+
+
+def check_nccl(infos: dict[str, dict], *, mine: Optional[str] = None) -> None:
+    """Refuse a weight group whose two ends run different NCCL versions (NCCL would refuse the
+    communicator at its first collective). A server's version is its `/server_info` `nccl_version`
+    (the built-in server reports it), else `$SGLANG_NCCL_VERSION` or the file
+    `$SGLANG_NCCL_VERSION_FILE` (the image records SGLang's at build time); when neither is known the
+    check is skipped with a warning."""
+    mine = mine or nccl_version()
+    recorded = os.environ.get(SERVER_NCCL_ENV)
+    if recorded is None and os.environ.get(SERVER_NCCL_ENV + "_FILE"):
+        path = Path(os.environ[SERVER_NCCL_ENV + "_FILE"])
+        recorded = path.read_text().strip() if path.exists() else None
+    for url, info in infos.items():
+        theirs = (info or {}).get("nccl_version") or recorded
+        if theirs is None or mine is None:
+            logger.warning("cannot compare NCCL versions with %s (trainer %s, server unknown; set %s)", url, mine,
+                           SERVER_NCCL_ENV)
+        elif str(theirs) != str(mine):
+            raise ConfigError(f"NCCL mismatch in the weight group: the trainer runs NCCL {mine}, server {url} runs "
+                              f"NCCL {theirs}; NCCL refuses such a communicator. Run both from one environment "
+                              f"(the Dockerfile's) or install the same NCCL on both sides")
