@@ -188,7 +188,8 @@ class AgentLoop:
             return True
         if s.state in (SampleState.PARTIAL, SampleState.TRUNCATED) and res.output_ids and \
                 res.output_ids[-1] in self.turn_end_ids:
-            s.state = SampleState.COMPLETED  # the budget ended on the stop token: the turn did end
+            # a server that checks length before stops (the built-in one did) calls this "length": the turn ended
+            s.state = SampleState.COMPLETED
             return True
         return False
 
