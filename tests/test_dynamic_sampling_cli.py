@@ -60,18 +60,9 @@ def test_refill_trains_exactly_prompts_per_step_groups_with_signal(assets, tmp_p
         assert sorted(i for _, i in line["trained"] + line["dropped"]) == sorted(line["drawn"])
 
 
-@pytest.mark.parametrize("async_steps", [0, 1])
-def test_refill_with_partial_rollout_and_rollout_ahead_loses_nothing(assets, tmp_path, async_steps):
-    """Responses take 2 segments (refill draws finish a round later) and, with async_steps=1, rounds
-    (and their refills) run a step ahead: every drawn prompt is trained, dropped, still buffered or
-    in a round produced ahead, once; the updated steps train 3 groups with signal."""
-    out = tmp_path / "run"
-    # Rollout ahead also runs with a single refill round: max_refill_rounds reaches the sampler.
-    cap = {"max_refill_rounds": 1} if async_steps else {}
-    proc = start_train(_config(assets, out, cap, total_steps=5, save_every=0, async_steps=async_steps), assets,
-                       "eval.every_n_steps=0", "trainer.save_every=5")
-    log = finish(proc)
-    assert proc.returncode == 0, log[-4000:]
+def _check_nothing_lost(out, async_steps):
+    """Every drawn prompt is trained, dropped, still buffered or in a round produced ahead, once (the
+    step-5 checkpoint); the updated steps train 3 groups with signal."""
     lines = _ledger(out)
     final = json.loads((out / "checkpoints" / "step_000005" / "trainer.json").read_text())
     ahead = final["rounds"]["ready"]
@@ -88,8 +79,20 @@ def test_refill_with_partial_rollout_and_rollout_ahead_loses_nothing(assets, tmp
         assert r["experience/num_zero_variance_groups"] == 0, r
         if not r["rollout/refill_cap_hit"] and not r.get("rollout/num_regenerated"):
             assert r["experience/num_groups"] == 3, r
-    if async_steps:
-        assert max(r["rollout/refill_rounds"] for r in records) == 1 and any(r["rollout/refill_cap_hit"] for r in records)
+    return records
+
+
+def test_refill_with_partial_rollout_and_rollout_ahead_loses_nothing(assets, tmp_path):
+    """Responses take 2 segments (refill draws finish a round later) and rounds (and their refills)
+    run a step ahead (the synchronous case: `test_resume_mid_refill_draws_the_same_prompts`)."""
+    out = tmp_path / "run"
+    # Rollout ahead also runs with a single refill round: max_refill_rounds reaches the sampler.
+    proc = start_train(_config(assets, out, {"max_refill_rounds": 1}, total_steps=5, save_every=0, async_steps=1),
+                       assets, "eval.every_n_steps=0", "trainer.save_every=5")
+    log = finish(proc)
+    assert proc.returncode == 0, log[-4000:]
+    records = _check_nothing_lost(out, async_steps=1)
+    assert max(r["rollout/refill_rounds"] for r in records) == 1 and any(r["rollout/refill_cap_hit"] for r in records)
 
 
 def test_filter_and_overlong_shaping_and_filtering_act(assets, tmp_path):
@@ -124,6 +127,7 @@ def test_resume_mid_refill_draws_the_same_prompts(assets, tmp_path):
                        "eval.every_n_steps=0")
     log = finish(proc)
     assert proc.returncode == 0, log[-4000:]
+    _check_nothing_lost(whole, async_steps=0)  # synchronous partial rollout: nothing lost
     ledger, records = _ledger(whole), _steps(whole)
     refill_drawn: set[int] = set()
     mid = None
