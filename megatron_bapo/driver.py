@@ -106,7 +106,7 @@ class Driver:
         self.sampler = DynamicSampler(
             mode=ro.dynamic_sampling, prompts_per_step=ro.prompts_per_step, max_refill_rounds=ro.max_refill_rounds,
             draw=self.dataset.next_batch, advance=manager_round(manager), requeue=requeue_into(manager),
-            score=self._score)
+            score=self._score, sample_metrics=self.agent.sample_metrics if self.agent is not None else None)
         self.producer = RolloutProducer(self.client, manager, self.sampler.produce, ahead=cfg.trainer.async_steps,
                                         served_version=lambda: self.pool.version, interrupt=self.sampler.interrupt)
         if state:

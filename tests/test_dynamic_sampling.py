@@ -68,7 +68,8 @@ class ScriptedRollout:
 
     def sampler(self, mode, prompts_per_step=4, max_refill_rounds=5):
         return DynamicSampler(mode=mode, prompts_per_step=prompts_per_step, max_refill_rounds=max_refill_rounds,
-                              draw=self.draw, advance=self.advance, score=self.score, requeue=self.requeue)
+                              draw=self.draw, advance=self.advance, score=self.score, requeue=self.requeue,
+                              sample_metrics=lambda samples: {"rollout/samples_seen": float(len(samples))})
 
 
 class _Stats:
@@ -124,6 +125,8 @@ def test_refill_trains_exactly_prompts_per_step_informative_groups():
     # Refill draws only what is missing: nothing is left over in this script (no surplus, nothing buffered).
     assert not rollout.buffer and len(drawn) == len(trained) + len(dropped)
     assert rounds[0].metrics["rollout/num_prompts_drawn"] == 8 and rounds[0].metrics["rollout/refill_prompts"] == 4
+    # Per-sample metrics (the agent loop's) cover every group the step finished, across its rounds.
+    assert rounds[0].metrics["rollout/samples_seen"] == 8 * G
 
 
 def test_refill_stops_at_the_cap_and_says_so():

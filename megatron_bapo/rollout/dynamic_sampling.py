@@ -30,14 +30,16 @@ from __future__ import annotations
 import asyncio
 import collections
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from megatron_bapo.rollout.errors import RoundInterrupted
-from megatron_bapo.rollout.types import Prompt, RolloutGroup, RolloutRound, SampleState
+from megatron_bapo.rollout.types import Prompt, RolloutGroup, RolloutRound, Sample, SampleState
 
 MODES = ("off", "filter", "refill")
 _LAST_VALUE = ("rollout/buffer_groups", "rollout/buffer_samples_partial")
 """Round metrics that describe the buffer after the round: the step reports the last round's."""
+_SECONDS = ("rollout/step_s", "rollout/tool_s")
+"""Round metrics in seconds: the step reports their sum (like the `rollout/num_*` counters)."""
 
 
 def zero_variance(group: RolloutGroup) -> bool:
@@ -90,13 +92,15 @@ class DynamicSampler:
     for `prompts`, advance every buffered sample one segment) as a `RolloutRound` of the groups that
     finished. `score(groups)`: store each sample's reward, return the statistics (`experience.
     score_groups`; run in a worker thread, off the event loop). `requeue(groups)`: put finished
-    groups back at the front of the buffer.
+    groups back at the front of the buffer. `sample_metrics(samples)`: extra per-sample `rollout/*`
+    means over the samples the step finished (the agent loop's turns and tool tokens).
     """
 
     def __init__(self, *, mode: str, prompts_per_step: int, max_refill_rounds: int,
                  draw: Callable[[int], Sequence[Prompt]],
                  advance: Callable[[Sequence[Prompt], int], Awaitable[RolloutRound]],
-                 score: Callable[[list[RolloutGroup]], Any], requeue: Callable[[list[RolloutGroup]], None]) -> None:
+                 score: Callable[[list[RolloutGroup]], Any], requeue: Callable[[list[RolloutGroup]], None],
+                 sample_metrics: Optional[Callable[[list[Sample]], dict[str, float]]] = None) -> None:
         if mode not in MODES:
             raise ValueError(f"DynamicSampler: mode must be one of {MODES}, got {mode!r}")
         if prompts_per_step < 1 or max_refill_rounds < 1:
@@ -104,6 +108,7 @@ class DynamicSampler:
                              f"({max_refill_rounds}) must be >= 1")
         self.mode, self.prompts_per_step, self.max_refill_rounds = mode, prompts_per_step, max_refill_rounds
         self.draw, self.advance, self.score, self.requeue = draw, advance, score, requeue
+        self.sample_metrics = sample_metrics
         self._step = _Step()
         self._carried = 0
         """Finished groups the last step put back into the buffer (refill): this step draws that many fewer."""
@@ -148,7 +153,7 @@ class DynamicSampler:
         for key, value in done.metrics.items():
             if key in _LAST_VALUE:
                 step.last[key] = value
-            elif key.startswith("rollout/num_") or key == "rollout/step_s":
+            elif key.startswith("rollout/num_") or key in _SECONDS:
                 step.counters[key] += value
         step.rejections += done.rejections
         fresh = [g for g in done.groups if any(s.reward is None for s in g.samples)]
@@ -176,6 +181,8 @@ class DynamicSampler:
             out["rollout/response_len_max"] = float(max(lengths))
             out["rollout/frac_truncated"] = sum(s.state is SampleState.TRUNCATED for s in samples) / len(samples)
             out["rollout/segments_per_sample"] = sum(s.num_segments for s in samples) / len(samples)
+            if self.sample_metrics is not None:
+                out.update(self.sample_metrics(samples))
         if step.rewards is not None:
             out.update(step.rewards.metrics())
         num_zero = sum(zero_variance(g) for g in step.scored)
