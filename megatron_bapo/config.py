@@ -58,7 +58,7 @@ class TrainerConfig:
     """How many RL steps rollout may run ahead of training. 0: the synchronous loop (generate,
     train, sync). k >= 1: rank 0 keeps generating the groups of steps n+1..n+k while the actor
     trains step n; every token keeps its behavior log-prob and the version that produced it, and
-    `rollout.max_staleness` still bounds what is trained."""
+    `rollout.max_staleness` still bounds what is trained (per token)."""
     progress: bool = True
     """tqdm progress bar on rank 0's console."""
     console_every: int = 10
@@ -127,6 +127,10 @@ class RolloutConfig(PartialRolloutConfig):
     builtin_server_dtype: str = "float32"
     """The built-in servers' `--dtype`: "float32" (log-probs match the fp32 trainer's to ~1e-6) or
     "bfloat16" (as SGLang serves on GPUs: a real training-inference mismatch, see docs/bapo.md)."""
+    builtin_server_decode_delay_ms: float = 0.0
+    """The built-in servers' `--decode-delay-ms`: milliseconds added to every generation step, so a CPU
+    run rehearses a slow (large-model) server: syncs meeting segments in flight, long responses
+    spanning syncs (tests, `benchmarks/bench_control_plane.py`). 0: as fast as the CPU goes."""
     client: RolloutClientConfig = field(default_factory=RolloutClientConfig)
     """Servers, router, concurrency, timeouts, retries, API key (`client.health_timeout_s` also bounds
     the built-in servers' start)."""
@@ -162,6 +166,9 @@ class RolloutConfig(PartialRolloutConfig):
         if self.builtin_server_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"rollout.builtin_server_dtype must be 'float32' or 'bfloat16', got "
                               f"{self.builtin_server_dtype!r}")
+        if not self.builtin_server_decode_delay_ms >= 0:
+            raise ConfigError(f"rollout.builtin_server_decode_delay_ms must be >= 0, got "
+                              f"{self.builtin_server_decode_delay_ms}")
         if not 0 < self.max_failed_group_rate <= 1:
             raise ConfigError(f"rollout.max_failed_group_rate must be in (0, 1], got {self.max_failed_group_rate}")
         if self.max_server_restarts < 0:
@@ -280,14 +287,18 @@ class RunConfig:
                 f"rollout.prompts_per_step x rollout.group_size = {batch}"
             )
         # A response spans num_segments steps, and async rollout adds async_steps versions of lag on top:
-        # a cap below that regenerates every long response again and again.
+        # a hard cap below that would reset every long response again and again. (The per-token cap,
+        # rollout.max_staleness, may be lower: the oldest tokens of long responses then leave the loss.)
         lag = ro.num_segments - 1 + self.trainer.async_steps
-        if ro.max_staleness is not None and ro.max_staleness < lag:
+        cap = ro.group_staleness_cap
+        if cap is not None and cap < lag:
             raise ConfigError(
-                f"rollout.max_staleness={ro.max_staleness} < {lag}: a {ro.max_response_tokens}-token response takes "
+                f"rollout.max_group_staleness={cap} < {lag}: a {ro.max_response_tokens}-token response takes "
                 f"{ro.num_segments} segment(s) of {ro.segment_budget} tokens (one per step) and rollout runs "
                 f"trainer.async_steps={self.trainer.async_steps} step(s) ahead, so its first tokens are {lag} versions "
-                f"old when it is trained; raise rollout.max_staleness, rollout.segment_tokens or lower trainer.async_steps")
+                f"old when it finishes and every long response would be regenerated forever; raise "
+                f"rollout.max_group_staleness (or leave it null: derived), rollout.segment_tokens or lower "
+                f"trainer.async_steps")
         # A fresh run makes no update before its first responses are complete (num_segments - 1 steps).
         limit = self.trainer.max_steps_without_update
         if limit and limit < ro.num_segments:
@@ -304,8 +315,9 @@ class RunConfig:
         The default never fires on a healthy run: during steps without an update there is no weight
         sync, so no pause cuts a segment short and no version changes. Every buffered sample then
         advances one full segment per round and finishes within `num_segments` rounds; a group is
-        regenerated for staleness at most once, when the stretch begins (its tokens cannot age while
-        the version stands still), and the `async_steps` rounds produced ahead were made before it.
+        regenerated (past `rollout.max_group_staleness`) at most once, when the stretch begins (its
+        tokens cannot age while the version stands still), and the `async_steps` rounds produced
+        ahead were made before it.
         So a healthy run has at most `num_segments + async_steps + 1` such steps in a row (a fresh run
         `num_segments - 1` at its start, before any response is complete); the default is twice that.
         """

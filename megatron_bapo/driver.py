@@ -41,6 +41,7 @@ from megatron_bapo.experience import build_experience
 from megatron_bapo.logs import CONSOLE
 from megatron_bapo.metrics import MetricsWriter
 from megatron_bapo.run_state import CheckpointError
+from megatron_bapo.rollout.batch import mask_stale_tokens
 from megatron_bapo.rollout.pool import ServerPool
 from megatron_bapo.sync.export import NullSink
 
@@ -64,6 +65,7 @@ class Driver:
         self.agent: Any = None
         """The agent loop of multi-turn rollouts with tools (`rollout.agent`), None for single-turn."""
         self.writer: Optional[MetricsWriter] = None
+        self._thread_cpu = 0.0
         self.record: dict[str, Any] = {}
         """What this run's checkpoints record about it (`run_record`), saved as trainer.json's "run"."""
 
@@ -96,6 +98,12 @@ class Driver:
                                weight_version=version, vocab_size=int(hf_config.vocab_size))
         self.client = self.pool.start()
         self._check_context()
+        lag = ro.num_segments - 1 + cfg.trainer.async_steps
+        if ro.max_staleness is not None and ro.max_staleness < lag:
+            logger.info("rollout.max_staleness=%d is below the %d versions a %d-token response spans (%d segments, "
+                        "%d step(s) ahead): the oldest tokens of such responses will leave the loss "
+                        "(staleness/num_masked_tokens); the rest of each response trains", ro.max_staleness, lag,
+                        ro.max_response_tokens, ro.num_segments, cfg.trainer.async_steps)
         # Multi-turn with tools: one agent loop (and its tool workers) for rollout and evaluation.
         self.agent = AgentLoop(ro.agent, self.tokenizer) if ro.agent.enabled else None
         # Per-request seeds only where the servers honour them (SGLang: --enable-deterministic-inference).
@@ -105,7 +113,8 @@ class Driver:
                                         max_response_tokens=ro.max_response_tokens)
         self.sampler = DynamicSampler(
             mode=ro.dynamic_sampling, prompts_per_step=ro.prompts_per_step, max_refill_rounds=ro.max_refill_rounds,
-            draw=self.dataset.next_batch, advance=manager_round(manager), requeue=requeue_into(manager),
+            draw=lambda n: self.dataset.next_batch(n) if manager.ready_for_prompts() else [],
+            advance=manager_round(manager), requeue=requeue_into(manager),
             score=self._score, sample_metrics=self.agent.sample_metrics if self.agent is not None else None)
         self.producer = RolloutProducer(self.client, manager, self.sampler.produce, ahead=cfg.trainer.async_steps,
                                         served_version=lambda: self.pool.version, interrupt=self.sampler.interrupt)
@@ -214,9 +223,9 @@ class Driver:
         rejected stops the run with their message (`rollout.max_failed_group_rate`).
         """
         cfg = self.config
+        entered = time.monotonic()
         self.pool.ensure_alive()
-        done, waited = self.pool.retry_after_restart(lambda: self.producer.next(version),
-                                                     before_retry=self.producer.restart)
+        done, waited = self.pool.retry_after_restart(self.producer.next, before_retry=self.producer.restart)
         self._check_rejections(done)
         t0 = time.monotonic()
         unscored = [g for g in done.groups if any(s.reward is None for s in g.samples)]
@@ -226,12 +235,30 @@ class Driver:
                                           n_minibatches=cfg.actor.n_minibatches,
                                           temperature=cfg.rollout.sampling.temperature,
                                           routed_experts_shape=self.routed_experts_shape)
+        if batch is not None:  # staleness, per token, against the weights about to train them
+            metrics.update(mask_stale_tokens(batch, version, cfg.rollout.max_staleness))
+            if not bool((batch["loss_mask"] > 0).any()):
+                batch = None
         self.ledger.record(step, done.prompts, done.groups, done.dropped)
         metrics.update(done.metrics)  # rollout/*, reward/* and timing/reward_s: scored when the round ran
         metrics.update(self.dataset.metrics())
         metrics.update({"timing/rollout_s": done.metrics.get("rollout/step_s", 0.0), "timing/rollout_wait_s": waited,
                         "timing/experience_s": time.monotonic() - t0})
+        # What the driver costs rank 0's step (every rank waits for rank 0 at the scatter): its own
+        # time here, not counting the wait for rollout, and the CPU its rollout thread used since the
+        # previous step, concurrently with training (HTTP, reply parsing, the buffer).
+        cpu = self._rollout_thread_cpu()
+        metrics.update({"timing/driver_s": time.monotonic() - entered - waited,
+                        "timing/driver_thread_cpu_s": max(cpu - self._thread_cpu, 0.0)})
+        self._thread_cpu = cpu
         return batch, metrics
+
+    def _rollout_thread_cpu(self) -> float:
+        """CPU seconds (user + system) the rollout client's loop thread has used so far."""
+        import psutil
+
+        tid = self.client.loop_thread_id
+        return next((t.user_time + t.system_time for t in psutil.Process().threads() if t.id == tid), 0.0)
 
     def _check_rejections(self, done: Any) -> None:
         from megatron_bapo.rollout.errors import RolloutError

@@ -61,7 +61,10 @@ POLICY: dict[str, tuple[str, str]] = {
     "rollout.prompts_per_step": (REFUSED, "the rounds produced ahead and the data position hold the old round size"),
     "rollout.max_response_tokens": (APPLIED, "buffered responses stop at the new limit (longer ones finish as truncated)"),
     "rollout.segment_tokens": (APPLIED, _LIVE),
-    "rollout.max_staleness": (APPLIED, "buffered groups over the new cap are regenerated"),
+    "rollout.max_staleness": (APPLIED, "tokens more versions behind than the new cap leave the loss from the first "
+                                       "resumed step (judged per token at training time; the derived hard cap on "
+                                       "buffered groups follows it)"),
+    "rollout.max_group_staleness": (APPLIED, "buffered groups past the new hard cap are regenerated at the next round"),
     "rollout.max_context_tokens": (APPLIED, _LIVE),
     "rollout.sampling.temperature": (APPLIED, "new segments sample at it; tokens already buffered keep theirs"),
     "rollout.sampling.top_p": (APPLIED, _LIVE),
@@ -74,6 +77,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "rollout.return_routed_experts": (APPLIED, _LIVE),
     "rollout.num_builtin_servers": (APPLIED, _SERVERS),
     "rollout.builtin_server_dtype": (APPLIED, _SERVERS),
+    "rollout.builtin_server_decode_delay_ms": (APPLIED, _SERVERS),
     "rollout.client.urls": (APPLIED, _SERVERS),
     "rollout.client.router_url": (APPLIED, _SERVERS),
     "rollout.client.max_concurrency": (APPLIED, _SERVERS),

@@ -251,6 +251,16 @@ def test_nonfinite_loss_tokens_raise_and_padding_is_ignored(bad):
         assert res.num_tokens == 2
         with pytest.raises(ValueError, match="NaN/inf"):
             fn(lp, mu, a, torch.ones(3), cfg, BapoConfig.preset("grpo"))
+    # The actor asks not to raise (the last pipeline stage alone knows; the stages agree on skipping):
+    # the start parameters come back with the count, for every loss.
+    from megatron_bapo.algorithms.objective import Objective
+
+    for name in ("ppo_clip", "dppo", "cispo", "sapo"):
+        objective = Objective(name, bapo=BapoConfig.preset("grpo"))
+        res = objective.search(lp, mu, a, torch.ones(3), raise_nonfinite=False)
+        assert res.num_nonfinite == 1 and res.num_steps == 0, name
+        with pytest.raises(ValueError, match="NaN/inf"):
+            objective.search(lp, mu, a, torch.ones(3))
 
 
 # ------------------------------------------------------------------------------------- across ranks

@@ -78,11 +78,20 @@ def _reduce(vec: torch.Tensor, group) -> list[float]:
     return vec.cpu().tolist()
 
 
+class NonfiniteTokens(ValueError):
+    """Loss tokens with NaN/inf inputs across the reduction group (raised on every rank of it alike)."""
+
+    def __init__(self, message: str, count: int) -> None:
+        super().__init__(message)
+        self.count = count
+
+
 def _check_counts(extras: list[float], who: str) -> tuple[int, int, int]:
     num_nonfinite, num_tokens, num_pos, num_neg = (int(x) for x in extras)
     if num_nonfinite:
-        raise ValueError(f"{who}: {num_nonfinite} loss tokens have NaN/inf log-probs, advantages or weights "
-                         "(across the reduction group); check the log-probs and rewards feeding this step")
+        raise NonfiniteTokens(f"{who}: {num_nonfinite} loss tokens have NaN/inf log-probs, advantages or weights "
+                         "(across the reduction group); check the log-probs and rewards feeding this step",
+                              num_nonfinite)
     return num_tokens, num_pos, num_neg
 
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from megatron_bapo.algorithms.balance import measure_sapo, search_cispo, search_dppo
+from megatron_bapo.algorithms.balance import NonfiniteTokens, measure_sapo, search_cispo, search_dppo
 from megatron_bapo.algorithms.bound_search import BoundSearchResult, search_clip_bounds
 from megatron_bapo.algorithms.cispo import CispoConfig, cispo_loss
 from megatron_bapo.algorithms.config import BapoConfig
@@ -67,20 +67,33 @@ class Objective:
 
     def search(self, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, advantages: torch.Tensor,
                mask: torch.Tensor, *, rollout_logprobs: Optional[torch.Tensor] = None,
-               token_weights: Optional[torch.Tensor] = None, group=None) -> BoundSearchResult:
+               token_weights: Optional[torch.Tensor] = None, group=None,
+               raise_nonfinite: bool = True) -> BoundSearchResult:
         """The step's parameters `(result.c_low, result.c_high)` and balance, identical on every rank of
         `group` (one all-reduce). Shapes: any, all equal; `ref_logprobs` is the ratio's reference,
         `rollout_logprobs` the behavior log-probs (for `weight: rollout_prob`), `token_weights` the
-        importance corrections the loss applies."""
+        importance corrections the loss applies. `raise_nonfinite=False`: NaN/inf loss tokens give
+        the start parameters with `num_nonfinite` set (as `search_clip_bounds` does), for a caller
+        that agrees on skipping with the other pipeline stages."""
         kw = dict(rollout_logprobs=rollout_logprobs, token_weights=token_weights, group=group)
         if self.name == "ppo_clip":
             ratio = torch.exp(clamped_log_ratio(logprobs.detach(), ref_logprobs) * mask)
-            return search_clip_bounds(ratio, advantages, mask, self.bapo, **kw)
-        if self.name == "dppo":
-            return search_dppo(logprobs, ref_logprobs, advantages, mask, self.dppo, self.bapo, **kw)
-        if self.name == "cispo":
-            return search_cispo(logprobs, ref_logprobs, advantages, mask, self.cispo, self.bapo, **kw)
-        return measure_sapo(logprobs, ref_logprobs, advantages, mask, self.sapo, self.bapo, **kw)
+            return search_clip_bounds(ratio, advantages, mask, self.bapo, raise_nonfinite=raise_nonfinite, **kw)
+        try:
+            if self.name == "dppo":
+                return search_dppo(logprobs, ref_logprobs, advantages, mask, self.dppo, self.bapo, **kw)
+            if self.name == "cispo":
+                return search_cispo(logprobs, ref_logprobs, advantages, mask, self.cispo, self.bapo, **kw)
+            return measure_sapo(logprobs, ref_logprobs, advantages, mask, self.sapo, self.bapo, **kw)
+        except NonfiniteTokens as exc:
+            if raise_nonfinite:
+                raise
+            low, high = ((self.dppo.lower, self.dppo.upper) if self.name == "dppo"
+                         else (self.cispo.c_low, self.cispo.c_high) if self.name == "cispo"
+                         else (self.bapo.low_start, self.bapo.high_start))
+            return BoundSearchResult(c_low=float(low), c_high=float(high), rho=0.0, rho_initial=0.0, num_steps=0,
+                                     pos_contribution=0.0, neg_contribution=0.0, num_tokens=0, num_pos_tokens=0,
+                                     num_neg_tokens=0, num_nonfinite=exc.count)
 
     def loss(self, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
              bounds: tuple[float, float], *, token_weights: torch.Tensor,

@@ -113,3 +113,23 @@ def _routed_experts(samples: Sequence[Sample], length: int, shape: tuple[int, in
                              f"{len(s.prompt_ids) + len(s.response_ids)} tokens")
         out[b, :rows.shape[0]] = torch.from_numpy(rows.copy())
     return out
+
+
+def mask_stale_tokens(batch: dict[str, "torch.Tensor"], current_version: int,
+                      max_staleness: Optional[int]) -> dict[str, float]:
+    """Staleness judged per token at training time: response tokens generated more than
+    `max_staleness` versions before `current_version` (the weights about to train them) leave the
+    loss (`loss_mask` and `advantages` set to 0, in place). Everything downstream that reads the loss
+    mask (aggregation, BAPO's bound search, the loss, the staleness metrics) then sees exactly the
+    tokens that train. Returns `staleness/num_masked_tokens` and `staleness/frac_masked_tokens`."""
+    loss = batch["loss_mask"] > 0
+    total = int(loss.sum())
+    if max_staleness is None:
+        return {"staleness/num_masked_tokens": 0.0, "staleness/frac_masked_tokens": 0.0}
+    stale = loss & (batch["versions"] < current_version - max_staleness)
+    num = int(stale.sum())
+    if num:
+        batch["loss_mask"][stale] = 0.0
+        if "advantages" in batch:
+            batch["advantages"][stale] = 0.0
+    return {"staleness/num_masked_tokens": float(num), "staleness/frac_masked_tokens": num / total if total else 0.0}

@@ -136,6 +136,8 @@ class ServerPool:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         args = ["--random-seed", str(self.seed + i), "--weight-version", "0", "--dtype",
                 self.rollout.builtin_server_dtype, *self.server_flags]
+        if self.rollout.builtin_server_decode_delay_ms:
+            args += ["--decode-delay-ms", str(self.rollout.builtin_server_decode_delay_ms)]
         key = self.rollout.client.api_key or os.environ.get(API_KEY_ENV)
         if key:
             args += ["--api-key", key]

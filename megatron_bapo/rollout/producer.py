@@ -1,18 +1,22 @@
 """Rollout rounds produced ahead of training (`trainer.async_steps`), on the rollout client's loop.
 
-A round is one step's rollout, `produce(version)`: draw the step's new prompts, advance every buffered
-sample by one segment (`PartialRolloutManager.astep`), collect and score the groups that finished and
-keep the ones the step trains (`rollout.dynamic_sampling.DynamicSampler`, which may run more such
-rounds in the step to refill it). The producer runs rounds as a task on the client's event loop and
-hands them to the trainer thread in order (`next`):
+A round is one step's rollout, `produce(version)`: draw the step's new prompts (unless older groups
+still wait unstarted: `manager.ready_for_prompts`), advance every buffered sample by one segment
+(`PartialRolloutManager.astep`), collect and score the groups that finished and keep the ones the
+step trains (`rollout.dynamic_sampling.DynamicSampler`, which may run more such rounds in the step
+to refill it). A sync's "abort" pause ends the round in flight at once (the requests running return
+their partial tokens, the ones still waiting in the client are not sent): the trainer takes it
+without waiting for a tail, and the next round continues every response on the new weights. The
+producer runs rounds as a task on the client's event loop and hands them to the trainer thread in
+order (`next`):
 
 - pacing: round r may start once the trainer has asked for round r - `ahead`. With `ahead` = 0 a
   round starts only when the trainer asks for it (the synchronous loop: generate, then train); with
   `ahead` = k the rounds of steps n+1..n+k run while the actor trains step n.
 - versions: a round passes the version the servers serve (`served_version()`, the server pool's) to
-  the manager, which labels tokens with the servers' reported versions; when a round is handed over,
-  the manager sends groups too stale to train at the trainer's version back into its buffer
-  (`requeue_stale`: regenerated, counted), so the cap bounds what is TRAINED, not only what is resumed.
+  the manager, which labels tokens with the servers' reported versions. Staleness is judged per
+  token when the round is trained (the driver masks tokens older than `rollout.max_staleness`), so
+  a finished group is always handed over as it is.
 - results: every round's groups, metrics and rejections are `produce`'s return value; the producer
   never reads or writes the manager's state.
 - checkpoints: `pause()` lets the running round finish and starts no new one; then `state_dict()`
@@ -101,7 +105,7 @@ class RolloutProducer:
         self.client.run(self._start())
 
     # ------------------------------------------------------------------ the trainer's side
-    async def _next(self, version: int) -> tuple[RolloutRound, float]:
+    async def _next(self) -> tuple[RolloutRound, float]:
         started = time.monotonic()
         async with self._cond:
             self.requested += 1
@@ -111,15 +115,12 @@ class RolloutProducer:
                 self.requested -= 1  # not handed over: asking again after a restart is the same request
                 raise self._error
             done = self.ready.pop(0)
-        done.groups, regenerated = self.manager.requeue_stale(done.groups, version)
-        if regenerated:  # the step that trains this round reports them with the round's own
-            done.metrics["rollout/num_regenerated"] = done.metrics.get("rollout/num_regenerated", 0.0) + regenerated
         return done, time.monotonic() - started
 
-    def next(self, version: int) -> tuple[RolloutRound, float]:
-        """The next round (waiting for it), its stale groups sent back for regeneration, and the
-        seconds the trainer waited. Raises the producer's error if it stopped."""
-        return self.client.run(self._next(version))
+    def next(self) -> tuple[RolloutRound, float]:
+        """The next round (waiting for it) and the seconds the trainer waited. Raises the producer's
+        error if it stopped."""
+        return self.client.run(self._next())
 
     async def _pause(self, abort: bool) -> None:
         async with self._cond:
