@@ -215,6 +215,40 @@ def test_tp2_pp2_tied_embeddings_resume_equals_never_stopping(run_dist, tmp_path
             torch.testing.assert_close(r["params"][name], want, atol=0, rtol=0, msg=name)
 
 
+def _pp_save_with_megatrons_slicing(rank, world_size, ckpt):
+    """A checkpoint as megatron_bapo wrote it before the fix: megatron's own fully_reshardable slicing."""
+    from megatron_bapo.actor import distopt_state
+
+    distopt_state._param_state = lambda opt, *args: type(opt).sharded_param_state_fully_reshardable(opt, *args)
+    actor = _actor(**TP2_PP2)
+    actor.train_step(_batch(0))
+    actor.save_checkpoint(ckpt)
+
+
+def _pp_load_refused(rank, world_size, ckpt):
+    actor = _actor(**TP2_PP2)
+    try:
+        actor.load_checkpoint(ckpt)
+    except ValueError as exc:
+        error = str(exc)
+    else:
+        error = None
+    actor.load_checkpoint(ckpt, load_optimizer=False)  # the weights themselves are right
+    return error, actor.parallel.pp_rank
+
+
+def test_a_checkpoint_with_shifted_optimizer_state_is_refused(run_dist, tmp_path):
+    """The load checks the checkpoint's fp32 main weights against its model weights: one written with
+    megatron-core's slicing is refused on every rank, each naming its copy of the tied embedding (the
+    last stage's reads the first stage's saved state) and nothing else; its weights still load."""
+    ckpt = str(tmp_path / "shifted")
+    run_dist(_pp_save_with_megatrons_slicing, 4, ckpt, timeout=240)
+    for error, stage in run_dist(_pp_load_refused, 4, ckpt, timeout=240):
+        assert error is not None and "load_optimizer=False" in error, error
+        named = "embedding.word_embeddings.weight" if stage == 0 else "output_layer.weight"
+        assert f"4 parameter(s) differ from the model's; on this rank: module.{named}." in error, error
+
+
 # ---------------------------------------------------------------------------- fresh optimizer
 def _save_fresh(rank, world_size, ckpt):
     actor = _actor()

@@ -46,7 +46,10 @@ What we do (no change to megatron-core):
   saved step (fixes 1; 2 does not apply to this format);
 - build the format's per-parameter tensors ourselves (`_param_state`, in place of megatron's
   `sharded_param_state_fully_reshardable` during our calls): the same keys, shapes and replica ids,
-  sliced at the packed offsets (fixes 6; a megatron-core with the fix packs the same way).
+  sliced at the packed offsets (fixes 6; a megatron-core with the fix packs the same way);
+- check that a checkpoint's fp32 main weights are its model weights (`mismatched_main_params`, which
+  `actor.checkpoint` runs on every rank before loading the optimizer): one written with 6 (by an
+  older megatron_bapo) is refused, naming the parameters, instead of resuming on shifted weights.
 On GPU with TE/Apex FusedAdam there is no per-parameter `step`: both step edits find nothing to do,
 and the load is exactly megatron's `load_state_dict` (param groups, including their `step`, then
 `load_parameter_state_from_fully_reshardable`).
@@ -164,6 +167,40 @@ def sharded_state_dict(optimizer, model_sharded_state_dict: dict, *, is_loading:
     finally:
         for opt in members:
             del opt.sharded_param_state_fully_reshardable
+
+
+def _mismatched(opt, param_state: dict) -> list[str]:
+    """Names of `opt`'s parameters whose fp32 main weights in `param_state` (as loaded) are not the
+    model's current weights (cast to the model's dtype)."""
+    from megatron.core.fp8_utils import is_float8tensor
+
+    wrong, index = [], 0
+    for gbuf_idx in range(len(opt.gbuf_ranges)):  # the order of `_param_state` and megatron's loader
+        for param in opt.buffers[gbuf_idx].param_index_map:
+            saved = param_state[index].get("param", param_state[index].get("fp32_param"))
+            index += 1
+            if saved is None or is_float8tensor(param):
+                continue
+            if not torch.equal(saved.to(device=param.device, dtype=param.dtype).reshape(param.shape), param.detach()):
+                wrong.append(opt._param_name(param))
+    return wrong
+
+
+def mismatched_main_params(optimizer, state_dict: Any) -> list[str]:
+    """The parameters (on this rank) whose fp32 main weights in a loaded optimizer state are not the
+    model weights the model holds now; call it after loading the same checkpoint's model weights.
+
+    megatron writes the model's weights from the main ones after every step, so in a checkpoint they
+    agree exactly. One written with the offset bug (module docstring, 6: an older megatron_bapo,
+    PP > 1 with tied embeddings) does not: its loader refuses it, naming these, instead of
+    overwriting the loaded weights with their neighbours'. Empty for a non-distributed optimizer.
+    """
+    members = _members(optimizer)
+    if not any(_is_distributed(opt) for opt in members):
+        return []
+    states = [state_dict] if len(members) == 1 else [v for _, v in sorted(state_dict.items())]
+    return [name for opt, state in zip(members, states) if _is_distributed(opt)
+            for name in _mismatched(opt, state["param_state"])]
 
 
 def _load_distributed(opt, state_dict: dict) -> None:
