@@ -12,32 +12,47 @@
 #    outputs are (tools/summarize_run.py, which also draws $OUT/summary.png), and how long each
 #    phase took: "timings: install 3 s, assets cached, train 141 s, total 150 s".
 #
-# Environment: TINY_DIR (task assets, default runs/tiny_assets), OUT (run dir, default
-# runs/tiny_bapo; a trainer.output_dir=... argument sets it too), CONFIG (default
-# examples/configs/tiny_bapo.yaml), TINY_ARCH (the model family of freshly built assets: qwen2 by
-# default, qwen3_moe for a mixture of experts). Re-running resumes from
-# the newest checkpoint in $OUT; pass trainer.resume=false (or delete $OUT) to start over.
+# Environment: CONFIG (default examples/configs/tiny_bapo.yaml), TINY_DIR (task assets; default: the
+# directory of the config's model.hf_path, runs/tiny_assets for the default), OUT (run dir; default:
+# the config's trainer.output_dir, runs/tiny_bapo; a trainer.output_dir=... argument sets it too),
+# TINY_ARCH (the model family of freshly built assets: qwen2 by default, qwen3_moe for a mixture of
+# experts), TINY_TASK (addition, or tools when the config has rollout.agent.tools: the tool task).
+# Re-running resumes from the newest checkpoint in $OUT; pass trainer.resume=false (or delete $OUT)
+# to start over.
+# Multi-turn with a calculator tool (3-digit multiplication):
+#   CONFIG=examples/configs/tiny_tools.yaml bash examples/run_tiny_bapo.sh
 # A tiny Qwen3-MoE with rollout routing replay:
 #   TINY_ARCH=qwen3_moe TINY_DIR=runs/tiny_moe_assets OUT=runs/tiny_moe \
 #     CONFIG=examples/configs/tiny_moe.yaml bash examples/run_tiny_bapo.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-TINY_DIR=${TINY_DIR:-runs/tiny_assets}
-OUT=${OUT:-runs/tiny_bapo}
 CONFIG=${CONFIG:-examples/configs/tiny_bapo.yaml}
 PY=.venv/bin/python
-for arg in "$@"; do  # an output_dir override moves the run, so the summary must read it there too
-  case "$arg" in trainer.output_dir=*) OUT=${arg#trainer.output_dir=} ;; esac
-done
 
 start=$SECONDS
 bash tools/install.sh
 install_s=$((SECONDS - start))
+# Defaults from the config: the assets next to its model, its output directory, its task.
+read -r CFG_TINY_DIR CFG_OUT CFG_TASK < <("$PY" - "$CONFIG" <<'PYEOF'
+import os, sys, yaml
+cfg = yaml.safe_load(open(sys.argv[1])) or {}
+hf = (cfg.get("model") or {}).get("hf_path") or "runs/tiny_assets/base_model"
+tools = ((cfg.get("rollout") or {}).get("agent") or {}).get("tools")
+print(os.path.dirname(hf.rstrip("/")) or ".", (cfg.get("trainer") or {}).get("output_dir") or "runs/tiny_bapo",
+      "tools" if tools else "addition")
+PYEOF
+)
+TINY_DIR=${TINY_DIR:-$CFG_TINY_DIR}
+OUT=${OUT:-$CFG_OUT}
+TINY_TASK=${TINY_TASK:-$CFG_TASK}
+for arg in "$@"; do  # an output_dir override moves the run, so the summary must read it there too
+  case "$arg" in trainer.output_dir=*) OUT=${arg#trainer.output_dir=} ;; esac
+done
 start=$SECONDS
 assets=cached
 if [ ! -f "$TINY_DIR/info.json" ]; then
-  "$PY" tools/make_tiny.py --out "$TINY_DIR" --force ${TINY_ARCH:+--architecture "$TINY_ARCH"}
+  "$PY" tools/make_tiny.py --out "$TINY_DIR" --force --task "$TINY_TASK" ${TINY_ARCH:+--architecture "$TINY_ARCH"}
   assets="$((SECONDS - start)) s"
 fi
 start=$SECONDS

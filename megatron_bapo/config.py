@@ -24,6 +24,7 @@ from megatron_bapo.algorithms.config import BapoConfig
 from megatron_bapo.config_io import ConfigError, apply_overrides, from_dict, to_dict
 from megatron_bapo.data.config import DatasetConfig
 from megatron_bapo.eval.config import EvalConfig
+from megatron_bapo.rollout.agent import AgentConfig
 from megatron_bapo.rollout.config import PartialRolloutConfig, RolloutClientConfig
 from megatron_bapo.sync.config import SyncConfig
 
@@ -132,6 +133,9 @@ class RolloutConfig(PartialRolloutConfig):
     wrong); 1 disables."""
     max_server_restarts: int = 3
     """Times the trainer restarts a built-in server that died (each restart counted and logged)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollouts with tools (`rollout.agent.tools`, docs/rollout.md#multi-turn-rollouts-with-tools);
+    no tools: single-turn. Evaluation runs the same agent loop."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -57,6 +57,8 @@ class Driver:
         """The servers (started or external), the one client, the served version; `client` is `pool.client`."""
         self.client: Any = None
         self.producer: Any = None
+        self.agent: Any = None
+        """The agent loop of multi-turn rollouts with tools (`rollout.agent`), None for single-turn."""
         self.writer: Optional[MetricsWriter] = None
         self.record: dict[str, Any] = {}
         """What this run's checkpoints record about it (`run_record`), saved as trainer.json's "run"."""
@@ -70,6 +72,7 @@ class Driver:
 
         from megatron_bapo.data import PromptDataset
         from megatron_bapo.rollout import PartialRolloutManager
+        from megatron_bapo.rollout.agent import AgentLoop
         from megatron_bapo.rollout.producer import RolloutProducer
 
         cfg, ro = self.config, self.config.rollout
@@ -87,8 +90,11 @@ class Driver:
                                weight_version=version, vocab_size=int(hf_config.vocab_size))
         self.client = self.pool.start()
         self._check_context()
+        # Multi-turn with tools: one agent loop (and its tool workers) for rollout and evaluation.
+        self.agent = AgentLoop(ro.agent, self.tokenizer) if ro.agent.enabled else None
         # Per-request seeds only where the servers honour them (SGLang: --enable-deterministic-inference).
-        manager = PartialRolloutManager(self.client, ro, seed=cfg.trainer.seed if ro.deterministic_inference else None)
+        manager = PartialRolloutManager(self.client, ro, seed=cfg.trainer.seed if ro.deterministic_inference else None,
+                                        agent=self.agent)
         self.producer = RolloutProducer(self.client, manager, lambda: self.dataset.next_batch(ro.prompts_per_step),
                                         ahead=cfg.trainer.async_steps, served_version=lambda: self.pool.version)
         if state:
@@ -107,11 +113,17 @@ class Driver:
         """What would otherwise fail only after the model loads (minutes on a cluster): paths and the
         reward functions. Errors name the field and are one line."""
         from megatron_bapo.rewards import load_reward_fn
+        from megatron_bapo.rollout.tools import ToolSpecError, load_tool_fn
 
         cfg = self.config
         if not Path(cfg.data.path).exists():
             raise ConfigError(f"data.path={cfg.data.path!r} does not exist")
         load_reward_fn(cfg.reward.fn)  # RewardSpecError naming reward.fn
+        for i, tool in enumerate(cfg.rollout.agent.tools):
+            try:
+                load_tool_fn(tool.fn)
+            except ToolSpecError as exc:
+                raise ConfigError(f"rollout.agent.tools[{i}].fn={tool.fn!r}: {exc}") from None
         if cfg.eval.every_n_steps and cfg.eval.datasets:
             for i, ds in enumerate(cfg.eval.datasets):
                 if not Path(ds.path).exists():
@@ -172,6 +184,8 @@ class Driver:
         self.begin_stop()
         if self.producer is not None:
             self.producer.stop()
+        if self.agent is not None:
+            self.agent.close()
         if self.pool is not None:
             self.pool.close()
         if self.writer is not None:
@@ -215,11 +229,12 @@ class Driver:
                 f"rollout.max_failed_group_rate={self.config.rollout.max_failed_group_rate} to train on regardless")
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Validation on `eval.datasets` through the same servers and client."""
+        """Validation on `eval.datasets` through the same servers and client (and the agent loop,
+        with its tools, when rollouts are multi-turn)."""
         from megatron_bapo.eval import run_evaluation
 
         return self.client.run(run_evaluation(self.client, self.tokenizer, self.config.eval,
-                                              output_dir=self.output_dir / "eval", step=step))
+                                              output_dir=self.output_dir / "eval", step=step, agent=self.agent))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.writer.log(step, metrics)

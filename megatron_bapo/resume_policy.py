@@ -89,6 +89,17 @@ POLICY: dict[str, tuple[str, str]] = {
     "rollout.client.api_key": (APPLIED, "never recorded (masked); whatever is set now is sent"),
     "rollout.max_failed_group_rate": (APPLIED, _LIVE),
     "rollout.max_server_restarts": (APPLIED, _LIVE),
+    "rollout.agent.tools": (APPLIED, "calls made after the resume run against the new list (a pending call to a tool "
+                                     "no longer listed gets the unknown-tool error message, as any such call does)"),
+    "rollout.agent.max_turns": (APPLIED, "buffered multi-turn samples end at the new limit"),
+    "rollout.agent.max_calls_per_turn": (APPLIED, _LIVE),
+    "rollout.agent.tool_timeout_s": (APPLIED, _LIVE),
+    "rollout.agent.num_tool_workers": (APPLIED, "the tool workers are started with it"),
+    "rollout.agent.max_result_chars": (APPLIED, "results of calls run after the resume are cut at it"),
+    **{f"rollout.agent.format.{name}": (REFUSED, "buffered multi-turn samples were written in the old call and result "
+                                                 "syntax: their next turns would mix two formats in one sample")
+       for name in ("parser", "call_start", "call_end", "stop_at_call_end", "response_prefix", "response_template",
+                    "response_separator", "response_suffix")},
     "reward.fn": (APPLIED, "scores responses finished after the resume"),
     "reward.num_workers": (APPLIED, _LIVE),
     "reward.timeout_s": (APPLIED, _LIVE),

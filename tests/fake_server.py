@@ -9,9 +9,11 @@ pauses and killed servers land mid-request.
 
     python tests/fake_server.py --port 31000 [--token-delay-s 0.01] [--fail-first 2]
 
-Model: next token = `next_token(prefix, seed)`; its log-prob = `token_logprob(prefix, token, seed)`;
+Model: next token = `next_token(prefix, seed)` (or a test's own `policy(prefix, seed)`, e.g. the
+scripted tool user of `tests/agent_helpers.py`); its log-prob = `token_logprob(prefix, token, seed)`;
 EOS id 1 stops unless ignore_eos. Weight updates wait for in-flight requests (SGLang's writer
-lock) unless generation is paused.
+lock) unless generation is paused. `requests` and `params` keep the `input_ids` and
+`sampling_params` of every `/generate`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def token_logprob(prefix: list[int], token: int, seed: int) -> float:
 
 class FakeServer:
     def __init__(self, model_path: str = "init", token_delay_s: float = 0.0, fail_first: int = 0,
-                 weight_version: str = "default", workers: Optional[list[str]] = None) -> None:
+                 weight_version: str = "default", workers: Optional[list[str]] = None,
+                 policy: Optional[Any] = None) -> None:
         self.model_path, self.seed = model_path, weights_seed(model_path)
         self.weight_version = weight_version
         self.token_delay_s, self.fail_left = token_delay_s, fail_first
@@ -60,6 +63,9 @@ class FakeServer:
         self.num_generate = 0
         self.max_running = 0
         self.workers = workers
+        self.policy = policy or next_token
+        self.requests: list[list[int]] = []
+        self.params: list[dict] = []
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 28)
@@ -99,6 +105,8 @@ class FakeServer:
         if rid in self.running:
             return _error(400, "Duplicate request ID detected")
         self.num_generate += 1
+        self.requests.append([int(x) for x in ids])
+        self.params.append(dict(params))
         if self.fail_left > 0:
             self.fail_left -= 1
             return web.Response(status=500, text="Internal Server Error")
@@ -118,7 +126,7 @@ class FakeServer:
                     break
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                tok = next_token(prefix, self.seed)
+                tok = self.policy(prefix, self.seed)
                 logprobs.append([token_logprob(prefix, tok, self.seed), tok, None])
                 prefix.append(tok)
                 out.append(tok)

@@ -342,3 +342,21 @@ def test_plugin_reward_that_hangs_times_out_and_one_that_raises_says_why(tmp_pat
     assert scores.rewards == [1.0, 0.0, 0.0, 0.0]
     assert "no such answer format" in scores.results[2].error and "timeout_s" in scores.results[1].error
     assert scores.num_fn_failures == 2
+
+
+def test_plugin_reward_that_prints_does_not_break_its_worker(tmp_path, monkeypatch):
+    """What a plugin prints (at import, from Python per call, or onto fd 1 from C) never reaches the
+    worker's reply channel; before, the first printed line was read as the reply and the call failed."""
+    import sys
+
+    (tmp_path / "chatty_reward_mod.py").write_text(
+        "import os\n"
+        "print('loading the chatty reward')\n"
+        "def reward(response, answer):\n"
+        "    print('scoring', response)\n"
+        "    os.write(1, b'raw bytes on fd 1\\n')\n"
+        "    return float(response == answer)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + ":" + ":".join(sys.path))
+    scores = score_batch("chatty_reward_mod:reward", ["1", "2", "1"], ["1", "1", "1"], timeout_s=20.0)
+    assert [r.reason for r in scores.results] == ["scored"] * 3 and scores.rewards == [1.0, 0.0, 1.0]

@@ -128,6 +128,14 @@ def test_finish_reasons_and_trimming(server, tok):
     _, out = http(server.url + "/generate", {"input_ids": prompt, "sampling_params": {
         "max_new_tokens": 10, "min_new_tokens": 10, "temperature": 0, "stop_token_ids": [stop_tok]}})
     assert out["meta_info"]["finish_reason"]["type"] == "length" and stop_tok not in out["output_ids"]
+    # a budget that ends on the stop token or a stop string is a stop (SGLang 0.5.23 checks stops before length)
+    _, out = http(server.url + "/generate", {"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": first + 1, "temperature": 0, "stop_token_ids": [stop_tok]}})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}, out["meta_info"]
+    at = next(n for n in range(1, len(ids) + 1) if stop_str in tok.decode(ids[:n], skip_special_tokens=True))
+    _, out = http(server.url + "/generate", {"input_ids": prompt, "sampling_params": {
+        **base, "max_new_tokens": at, "stop": [stop_str]}})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}, out["meta_info"]
     # max_new_tokens = 0: no tokens, length 0
     _, out = http(server.url + "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}})
     assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}

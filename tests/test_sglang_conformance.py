@@ -178,3 +178,21 @@ def test_the_check_catches_routing_a_server_would_drop_or_refuse(tmp_path, tiny_
     text = "\n".join(check_records(records, AutoConfig.from_pretrained(tiny_hf_dir).vocab_size)["violations"])
     assert "return_routed_experts sent to a server without --enable-return-routed-experts" in text
     assert "routed_experts_start_len=3 outside [0, 2]" in text
+
+
+def test_an_end_without_session_is_only_the_clearing_before_a_join(tmp_path, tiny_hf_dir):
+    """The pool's clearing of what a dead trainer left (`/end_weight_update`, then
+    `/destroy_weights_update_group`, both no-ops on a clean SGLang) passes; an end without an open
+    session followed by anything else, or by nothing, is named."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_hf_dir).vocab_size
+    end = {"method": "POST", "path": "/end_weight_update", "body": {}}
+    destroy = {"method": "POST", "path": "/destroy_weights_update_group", "body": {"group_name": "weight_update_group"}}
+    flush = {"method": "POST", "path": "/flush_cache", "body": None}
+    for name, rows, bad in (("clearing", [end, destroy, flush], 0), ("stray", [end, flush], 1), ("last", [end], 1)):
+        records = tmp_path / f"{name}.jsonl"
+        records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        violations = check_records(records, vocab)["violations"]
+        assert len(violations) == bad, (name, violations)
+        assert all("#0 POST /end_weight_update: no weight-update session is open" in v for v in violations), violations

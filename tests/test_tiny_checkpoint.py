@@ -40,7 +40,21 @@ def test_tokenizer_layout():
     assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [2, 3]
     assert tok.encode("0123456789") == list(range(22, 32))
     assert tok.encode("".join(CHARACTERS)) == list(range(4, 4 + len(CHARACTERS)))
-    assert len(build_tiny_tokenizer(pad_to_multiple_of=1)) == 4 + 256
+    assert len(build_tiny_tokenizer(pad_to_multiple_of=1)) == 4 + 256 + 4  # specials, bytes, tool-call markup
+
+
+def test_tool_call_markup_is_one_token_each_and_survives_decoding(tiny_hf_dir):
+    """The Hermes/Qwen3 markup tokenizes the same wherever it appears (added tokens, ids 260-263), also
+    through the saved checkpoint's tokenizer, and is not special: skipping special tokens keeps it."""
+    from megatron_bapo.tiny.tokenizer import TOOL_TOKENS
+
+    for tok in (build_tiny_tokenizer(), AutoTokenizer.from_pretrained(tiny_hf_dir)):
+        assert tok.convert_tokens_to_ids(list(TOOL_TOKENS)) == [260, 261, 262, 263]
+        text = '7<tool_call>{"name":"c"}</tool_call>x<tool_response>42</tool_response>42'
+        ids = tok.encode(text)
+        assert [i for i in ids if i >= 260] == [260, 261, 262, 263]
+        assert tok.encode("a" + text[1:])[1:] == ids[1:]  # what precedes the markup does not change it
+        assert tok.decode(ids + [1], skip_special_tokens=True) == text
 
 
 def test_checkpoint_loads_with_auto_classes(tiny_hf_dir):

@@ -4,6 +4,7 @@ SFT warm start, written to OUT/{base_model, data/train.jsonl, data/test.jsonl, i
 
     python tools/make_tiny.py --out runs/tiny_assets [--sft-steps N] [--target-accuracy A] [--seed S] [--force]
     python tools/make_tiny.py --out runs/tiny_moe_assets --architecture qwen3_moe   # a tiny Qwen3-MoE
+    python tools/make_tiny.py --out runs/tiny_tools_assets --task tools   # multiplication with a calculator tool
 
 A thin CLI over `megatron_bapo.tiny.build.build_tiny_assets`.
 """
@@ -32,11 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--architecture", default=None, choices=["qwen2", "qwen3", "qwen3_moe", "llama"],
                         help="model family (default: qwen2; qwen3_moe: 8 experts, 2 per token)")
+    parser.add_argument("--task", default="addition", choices=["addition", "tools"],
+                        help="addition (default: reversed-digit addition) or tools (3-digit multiplication, "
+                             "a calculator call in 30%% of the SFT examples; examples/configs/tiny_tools.yaml)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    config = TinyAssetsConfig(seed=args.seed)
+    config = TinyAssetsConfig.tools(seed=args.seed) if args.task == "tools" else TinyAssetsConfig(seed=args.seed)
     if args.architecture is not None:
         config.model = dict(config.model, architecture=args.architecture)
     if args.sft_steps is not None:

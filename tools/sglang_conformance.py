@@ -189,6 +189,7 @@ class Checker:
         self.classes: dict[str, Any] = {}
         # protocol state of the one server the records went to
         self.session = False
+        self.probe: Optional[str] = None  # an end without a session, waiting for the destroy that makes it a clearing
         self.paused: Optional[str] = None
         self.deterministic: Optional[bool] = None
         self.routed_experts: Optional[bool] = None
@@ -262,8 +263,24 @@ class Checker:
                 return [f"{where}: {cls_name} ignores field(s) {sorted(set(body) - fields)} (dropped silently)"]
         return []
 
+    def finish(self) -> list[str]:
+        """What is still wrong once the records end (an end-without-session probe nothing followed)."""
+        return self._unfollowed_probe()
+
+    def _unfollowed_probe(self) -> list[str]:
+        where, self.probe = self.probe, None
+        return [f"{where}: no weight-update session is open"] if where else []
+
     def _protocol(self, where: str, path: str, body: dict, rec: dict) -> list[str]:
         errors = []
+        if self.probe and not rec.get("replay"):
+            # The pool clears what a dead trainer left before joining (rollout.control.aclear_weight_group):
+            # /end_weight_update then /destroy_weights_update_group, each answered success=false by a clean
+            # SGLang, which changes nothing. An end without a session followed by anything else is a bug.
+            if path == "/destroy_weights_update_group":
+                self.probe = None
+            else:
+                errors += self._unfollowed_probe()
         if path in ("/server_info", "/get_server_info") and isinstance(rec.get("reply"), dict):
             self.deterministic = bool(rec["reply"].get("enable_deterministic_inference"))
             self.routed_experts = bool(rec["reply"].get("enable_return_routed_experts"))
@@ -277,7 +294,7 @@ class Checker:
             self.session = True
         elif path == "/end_weight_update":
             if not self.session:
-                errors.append(f"{where}: no weight-update session is open")
+                self.probe = where  # a violation unless the destroy of the clearing follows
             self.session = False
         elif path == "/update_weights_from_distributed" and not self.session:
             errors.append(f"{where}: outside a begin/end weight-update session: SGLang answers success=false "
@@ -305,6 +322,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     violations = []
     for i, rec in enumerate(records):
         violations += checker.check(i, rec)
+    violations += checker.finish()
     kinds = sorted({r["path"] for r in records})
     print(json.dumps({"sglang": version, "checked": len(records), "paths": kinds, "violations": violations}))
     return 1 if violations else 0

@@ -45,8 +45,10 @@ def _values(records: list[dict[str, Any]], key: str) -> list[float]:
     return [v for _, v in _series(records, key)]
 
 
-def _eval_keys(records: list[dict[str, Any]]) -> list[str]:
-    return sorted({k for r in records for k in r if k.startswith("eval/") and "/avg@" in k})
+def _eval_keys(records: list[dict[str, Any]], tools: bool = False) -> list[str]:
+    """The eval accuracy keys (avg@n); with `tools`, also the tool-call rates of multi-turn runs."""
+    return sorted({k for r in records for k in r
+                   if k.startswith("eval/") and ("/avg@" in k or (tools and k.endswith("/tool_call_rate")))})
 
 
 def target_rho(run_dir: Path) -> Optional[float]:
@@ -118,12 +120,13 @@ def summarize(run_dir: Path, window: int = 3) -> list[str]:
         raise SystemExit(f"{run_dir}/tb/metrics.jsonl has no records; did the run start?")
     lines = [f"run: {run_dir} ({max(r['step'] for r in records)} steps)"]
     train = [r for r in records if "rollout/reward_mean" in r]
-    for key, label in (("rollout/reward_mean", "train reward"), ("rollout/accuracy", "train accuracy")):
+    for key, label in (("rollout/reward_mean", "train reward"), ("rollout/accuracy", "train accuracy"),
+                       ("rollout/tool_call_rate", "train tool calls")):
         vals = [float(r[key]) for r in train if key in r]
         if vals:
             lines.append(f"{label:<16} first {min(window, len(vals))} steps {_mean(vals[:window]):.3f}  "
                          f"last {min(window, len(vals))} steps {_mean(vals[-window:]):.3f}")
-    for key in _eval_keys(records):
+    for key in _eval_keys(records, tools=True):
         points = [(r["step"], float(r[key])) for r in records if key in r]
         lines.append(f"{key:<16} " + "  ".join(f"step {s}: {v:.3f}" for s, v in points))
     lines += bapo_lines(records, window, target_rho(run_dir))

@@ -3,9 +3,11 @@ pass@k and maj@n per dataset.
 
     python tools/evaluate.py --model-path HF_DIR --data aime24.jsonl [--data aime25.parquet]
         [--n 16] [--temperature 0.6] [--top-p 0.95] [--max-new-tokens N]
-        [--server-url URL ...] [--reward math] [--output DIR]
+        [--server-url URL ...] [--reward math] [--output DIR] [--agent-config RUN_CONFIG.yaml]
 
-Without --server-url the built-in CPU server is started on 127.0.0.1 for the checkpoint.
+Without --server-url the built-in CPU server is started on 127.0.0.1 for the checkpoint. With
+--agent-config every response runs through the agent loop with the tools of that run config's
+`rollout.agent` section (e.g. examples/configs/tiny_tools.yaml), and the tool-call rate is reported.
 """
 
 from __future__ import annotations
@@ -17,6 +19,23 @@ from typing import Optional, Sequence
 
 from megatron_bapo.eval.config import EvalConfig
 from megatron_bapo.eval.runner import datasets_from_paths, evaluate_checkpoint, format_metrics
+
+
+def _agent_config(path: str):
+    """The `rollout.agent` section of a run config file (validated; its tool specs imported)."""
+    import yaml
+
+    from megatron_bapo.config_io import from_dict
+    from megatron_bapo.rollout.agent import AgentConfig
+    from megatron_bapo.rollout.tools import load_tool_fn
+
+    data = yaml.safe_load(open(path, encoding="utf-8")) or {}
+    agent = from_dict(AgentConfig, ((data.get("rollout") or {}).get("agent")) or {}, "rollout.agent")
+    if not agent.enabled:
+        raise ValueError(f"--agent-config {path}: rollout.agent.tools is empty")
+    for tool in agent.tools:
+        load_tool_fn(tool.fn)
+    return agent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, help="dir for <dataset>.jsonl per-problem records and metrics.json")
     p.add_argument("--max-problems", type=int, default=None, help="evaluate only the first N problems per file")
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight at once")
+    p.add_argument("--agent-config", default=None,
+                   help="a run config whose rollout.agent section (tools, turns, call format) the responses use")
     return p
 
 
@@ -48,9 +69,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_bapo.rewards import load_reward_fn
 
         load_reward_fn(config.reward)  # fail before starting servers on a bad spec
+        agent = _agent_config(args.agent_config) if args.agent_config else None
     except ValueError as exc:
         print(f"evaluate.py: error: {exc}", file=sys.stderr)
         return 2
-    metrics = evaluate_checkpoint(args.model_path, config, server_urls=args.server_url, output_dir=args.output)
+    metrics = evaluate_checkpoint(args.model_path, config, server_urls=args.server_url, output_dir=args.output,
+                                  agent=agent)
     print(format_metrics(metrics))
     return 0

@@ -41,6 +41,10 @@ class Sample:
     num_tokens: int = 0
     error: Optional[str] = None
     """The server's message when finish_reason is "error"."""
+    num_tool_calls: Optional[int] = None
+    """Tool calls the response made (multi-turn evaluation through the agent loop); None: single-turn."""
+    num_turns: Optional[int] = None
+    """Model turns of the response (multi-turn evaluation); None: single-turn."""
 
 
 def is_correct(reward: float) -> bool:
@@ -62,7 +66,9 @@ def evaluate_records(
     for k = 1, 2, 4, ... <= n (unbiased estimator), `maj@n` (majority vote over normalised
     extracted answers), plus counts: `num_problems`, `num_samples`, `num_answer_failures`
     (responses with no/unparsable answer or a reward error), `num_request_errors` (requests the
-    server rejected; they score 0), `truncated_frac`, `response_tokens_mean`.
+    server rejected; they score 0), `truncated_frac`, `response_tokens_mean` (sampled tokens); with
+    multi-turn samples also `tool_call_rate` (share of responses with a tool call), `tool_calls_mean`,
+    `turns_mean`.
     Each metric is the mean of the same key over the records.
     """
     if len(problems) != len(samples):
@@ -111,6 +117,8 @@ def evaluate_records(
                         "finish_reason": s.finish_reason,
                         "num_tokens": s.num_tokens,
                         **({"error": s.error} if s.error else {}),
+                        **({"num_tool_calls": s.num_tool_calls, "num_turns": s.num_turns}
+                           if s.num_tool_calls is not None else {}),
                     }
                     for s, r, c in zip(group, results, correct)
                 ],
@@ -123,6 +131,10 @@ def evaluate_records(
     out["num_request_errors"] = float(sum(s.finish_reason == "error" for s in flat))
     out["truncated_frac"] = sum(s.finish_reason == "length" for s in flat) / len(flat)
     out["response_tokens_mean"] = sum(s.num_tokens for s in flat) / len(flat)
+    if any(s.num_tool_calls is not None for s in flat):  # multi-turn: how the model used its tools
+        out["tool_call_rate"] = sum(bool(s.num_tool_calls) for s in flat) / len(flat)
+        out["tool_calls_mean"] = sum(s.num_tool_calls or 0 for s in flat) / len(flat)
+        out["turns_mean"] = sum(s.num_turns or 1 for s in flat) / len(flat)
     if scores.num_failed:
         logger.info("%s: %d of %d responses had no gradable answer: %s", dataset, scores.num_failed, len(flat),
                     scores.failure_counts)

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from megatron_bapo.eval.config import EvalConfig, EvalDatasetConfig
 from megatron_bapo.eval.core import EvalProblem, Prompt, evaluate_records, load_problems, write_records
-from megatron_bapo.eval.sampling import ClientSampler, Sampler, SamplingError, sample_all
+from megatron_bapo.eval.sampling import AgentSampler, ClientSampler, Sampler, SamplingError, sample_all
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +41,15 @@ def as_sampler(client: Any) -> Sampler:
 
 
 async def evaluate_dataset(
-    sampler: Sampler,
+    sampler: Union[Sampler, AgentSampler],
     tokenizer: Any,
     problems: Sequence[EvalProblem],
     config: EvalConfig,
     *,
     name: str = "eval",
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Sample `config.n` responses per problem, score them; (records, unprefixed metrics)."""
+    """Sample `config.n` responses per problem, score them; (records, unprefixed metrics). An
+    `AgentSampler` runs each response through the agent loop (tools, several turns)."""
     kept, ids = [], []
     num_too_long = 0
     for problem in problems:
@@ -62,7 +63,10 @@ async def evaluate_dataset(
         logger.warning("%s: %d prompts empty or over max_prompt_tokens=%s; skipped", name, num_too_long,
                        config.max_prompt_tokens)
     started = time.monotonic()
-    samples = await sample_all(sampler, ids, config.n, config.sampling_params(), concurrency=config.concurrency)
+    if isinstance(sampler, AgentSampler):
+        samples = await sampler.sample_many(ids, config.n, config.sampling_params(), concurrency=config.concurrency)
+    else:
+        samples = await sample_all(sampler, ids, config.n, config.sampling_params(), concurrency=config.concurrency)
     sample_s = time.monotonic() - started
     errors = [s.error for group in samples for s in group if s.finish_reason == "error"]
     if errors and len(errors) == sum(len(g) for g in samples):
@@ -81,15 +85,18 @@ async def run_evaluation(
     *,
     output_dir: Optional[Union[str, Path]] = None,
     step: Optional[int] = None,
+    agent: Any = None,
 ) -> dict[str, float]:
     """Evaluate every dataset of `eval_config`; metrics as `eval/<dataset>/<metric>`.
 
     `client` samples (a `RolloutClient`, or any object with `async generate(input_ids, sampling_params)`);
     run it on the client's event loop (`client.run(run_evaluation(client, ...))`).
     With `output_dir`, per-problem records go to `<output_dir>/<dataset>[.step<step>].jsonl`.
-    Rows without prompt/answer are counted in `eval/<dataset>/num_rows_skipped`.
+    Rows without prompt/answer are counted in `eval/<dataset>/num_rows_skipped`. With `agent` (the
+    run's `rollout.agent.AgentLoop`) every response runs through the agent loop and its tools, and
+    the metrics include `tool_call_rate`; `client` must then be a `RolloutClient`.
     """
-    sampler = as_sampler(client)
+    sampler = AgentSampler(client, agent, tokenizer) if agent is not None else as_sampler(client)
     out: dict[str, float] = {}
     for ds in eval_config.datasets:
         problems, num_bad = load_problems(ds.path, max_problems=eval_config.max_problems)
@@ -139,12 +146,14 @@ def evaluate_checkpoint(
     server_urls: Sequence[str] = (),
     output_dir: Optional[Union[str, Path]] = None,
     server_kwargs: Optional[dict] = None,
+    agent: Any = None,
 ) -> dict[str, float]:
     """Evaluate an HF checkpoint directory on `config.datasets` (what `tools/evaluate.py` runs).
 
     Samples through `server_urls` (SGLang servers or a router serving this checkpoint) or, when
     none are given, a built-in server started on loopback and stopped afterwards. Writes
-    `<output_dir>/<dataset>.jsonl` (per problem) and `<output_dir>/metrics.json`.
+    `<output_dir>/<dataset>.jsonl` (per problem) and `<output_dir>/metrics.json`. With `agent` (a
+    `rollout.agent.AgentConfig` with tools) responses run through the agent loop and its tools.
     """
     from transformers import AutoTokenizer
 
@@ -155,7 +164,16 @@ def evaluate_checkpoint(
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     with _servers(str(model_path), server_urls, dict(server_kwargs or {})) as urls:
         with RolloutClient(RolloutClientConfig(urls=list(urls), max_concurrency=config.concurrency)) as client:
-            metrics = client.run(run_evaluation(client, tokenizer, config, output_dir=output_dir))
+            loop = None
+            if agent is not None:
+                from megatron_bapo.rollout.agent import AgentLoop
+
+                loop = AgentLoop(agent, tokenizer)
+            try:
+                metrics = client.run(run_evaluation(client, tokenizer, config, output_dir=output_dir, agent=loop))
+            finally:
+                if loop is not None:
+                    loop.close()
     if output_dir is not None:
         summary = {"model_path": str(model_path), "server_urls": list(server_urls) or "built-in",
                    "config": dataclasses.asdict(config), "metrics": metrics}
@@ -172,8 +190,10 @@ def format_metrics(metrics: dict[str, float]) -> str:
         _, ds, name = key.split("/", 2)
         by_ds.setdefault(ds, {})[name] = value
     cols = [c for c in next(iter(by_ds.values()), {}) if "@" in c] + ["num_problems", "num_answer_failures"]
+    cols += [c for c in ("tool_call_rate",) if c in next(iter(by_ds.values()), {})]
     lines = ["dataset".ljust(16) + "".join(c.rjust(20) for c in cols)]
     for ds, values in by_ds.items():
-        cells = "".join((f"{values[c]:.4f}" if "@" in c else f"{values[c]:.0f}").rjust(20) for c in cols if c in values)
+        cells = "".join((f"{values[c]:.4f}" if "@" in c or c == "tool_call_rate" else f"{values[c]:.0f}").rjust(20)
+                        for c in cols if c in values)
         lines.append(ds.ljust(16) + cells)
     return "\n".join(lines)

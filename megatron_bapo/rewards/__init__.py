@@ -3,7 +3,8 @@
 Built-ins (explicit registry, imported lazily so `arithmetic` does not pull in sympy):
 - "math": math-verify on the last `\\boxed{}` answer (`megatron_bapo.rewards.math`);
 - "math_last_number": the same, grading the last number when there is no box;
-- "arithmetic": the tiny default's synthetic task (`megatron_bapo.rewards.arithmetic`).
+- "arithmetic": the tiny default's synthetic task (`megatron_bapo.rewards.arithmetic`);
+- "arithmetic_final": the same rule on the final answer after the last tool result (the tiny tool task).
 
 Any other spec must be "package.module:function". `score_batch` scores many responses and counts
 the ones that could not be judged, so bad samples show up in metrics instead of crashing a run.
@@ -27,6 +28,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "math": "megatron_bapo.rewards.math:math_reward",
     "math_last_number": "megatron_bapo.rewards.math:math_last_number_reward",
     "arithmetic": "megatron_bapo.rewards.arithmetic:arithmetic_reward",
+    "arithmetic_final": "megatron_bapo.rewards.arithmetic:arithmetic_final_reward",
 }
 """Built-in reward name -> import path of its float `RewardFn`."""
 

@@ -8,6 +8,10 @@ end-of-sequence marker, equals the reference exactly:
 - leading whitespace is skipped and the answer ends at the first whitespace ("58\\n..." counts);
 - no normalisation beyond that: "058", "5 8", "58." and "+58" are wrong, so the reward cannot be gamed
   by emitting extra characters, and an empty response or empty reference scores 0.
+
+`arithmetic_final_reward` ("arithmetic_final", the tiny tool task) applies the same rule to the
+model's final answer: the text after the last tool result (`</tool_response>`), or the whole
+response when it called no tool.
 """
 
 from __future__ import annotations
@@ -29,3 +33,12 @@ def arithmetic_reward(response: str, answer: str) -> float:
     predicted = extract_arithmetic_answer(response)
     reference = answer.strip()
     return 1.0 if predicted and predicted == reference else 0.0
+
+
+TOOL_RESULT_END = "</tool_response>"
+"""Where a tool's result ends in the response (the Hermes/Qwen3 markup of `rollout.tool_calls`)."""
+
+
+def arithmetic_final_reward(response: str, answer: str) -> float:
+    """`arithmetic_reward` of the text after the last tool result (the whole response without one)."""
+    return arithmetic_reward(response.rsplit(TOOL_RESULT_END, 1)[-1], answer)

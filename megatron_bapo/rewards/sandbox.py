@@ -55,8 +55,9 @@ def _call(fn, request: dict) -> dict:
 def worker_main(spec: str) -> None:
     from megatron_bapo.rewards import load_reward_fn
 
+    out = workers.reply_channel()  # before the import: a plugin printing at import cannot break the replies
     fn = load_reward_fn(spec)
-    workers.serve(lambda req: _call(fn, req))
+    workers.serve(lambda req: _call(fn, req), out)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""Long-lived scoring subprocesses with hard timeouts: a stuck one is killed and replaced.
+"""Long-lived plugin subprocesses with hard timeouts: a stuck one is killed and replaced.
 
 A reward check can hang in ways no signal interrupts (sympy's big-integer arithmetic in C, a
 plugin waiting on a lock or the network), and `signal.alarm` works only in a main thread. So the
-math reward (from worker threads) and every plugin reward (`rewards.sandbox`) run in plain
-subprocesses (not `multiprocessing`: the parent's `__main__` is never re-imported) that speak one
-JSON request per stdin line and one JSON reply per stdout line, after a first line "ready".
+math reward (from worker threads), every plugin reward (`rewards.sandbox`) and every agent tool
+(`rollout.tools.sandbox`) run in plain subprocesses (not `multiprocessing`: the parent's `__main__`
+is never re-imported) that speak one JSON request per stdin line and one JSON reply per line of a
+private pipe, after a first line "ready". The worker's file descriptor 1 is pointed at /dev/null
+before any plugin runs, so whatever a plugin prints (`print`, a C library, a child process) cannot
+corrupt the replies (`reply_channel`); a reply that is not JSON all the same counts as a dead worker.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import queue
 import select
 import signal
@@ -52,7 +56,13 @@ class WorkerProcess:
         except OSError:
             return None
         line = self._readline(timeout_s)
-        return json.loads(line) if line else None
+        if not line:
+            return None
+        try:
+            return json.loads(line)
+        except ValueError:  # not our worker's reply: treat it as broken (the caller kills it)
+            logger.warning("worker %d wrote a line that is not a JSON reply: %r", self.process.pid, line[:200])
+            return None
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -132,9 +142,24 @@ def cleanup_workers() -> None:
 atexit.register(cleanup_workers)
 
 
-def serve(handle) -> None:
-    """Worker side: 'ready', then `handle(request) -> reply` for every stdin line."""
-    out = sys.stdout
+def reply_channel():
+    """Worker side: the file the replies go to (a duplicate of the original stdout), after fd 1 and
+    `sys.stdout` were pointed at /dev/null, so that output of a plugin (Python or C level, or of
+    its children, also while it is imported) never reaches the reply channel. Call it before
+    importing the plugin."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    sys.stdout = open(os.devnull, "w")
+    return out
+
+
+def serve(handle, out=None) -> None:
+    """Worker side: 'ready', then `handle(request) -> reply` for every stdin line, the replies on
+    `out` (`reply_channel()` when not given)."""
+    out = out if out is not None else reply_channel()
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:

@@ -2,7 +2,11 @@
 
 Everything is ALIGNED TO THE TOKEN: the value at `[b, t]` concerns token `input_ids[b, t]` (its
 behavior log-prob is log p(input_ids[b, t] | input_ids[b, :t])), rows are right-padded, and
-`loss_mask` is 1 exactly on response tokens. This is the layout `Actor.train_step` takes.
+`loss_mask` is 1 exactly on the response tokens the policy sampled. A multi-turn sample's tool
+tokens (`Sample.agent.tool_spans`) are context only: loss mask 0, behavior log-prob 0, version -1,
+advantage 0, exactly as a prompt token, so the loss, the bound search, the importance corrections,
+the mismatch and staleness metrics, which all read `loss_mask`, see only sampled tokens. This is
+the layout `Actor.train_step` takes.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ def build_batch(
 
     Returns CPU tensors `[B, T]`:
       input_ids (long; pad_token_id on padding), attention_mask (long; 1 on prompt+response),
-      loss_mask (float32; 1 on response tokens), behavior_logprobs (float32; 0 off the response),
-      versions (long; policy version of each response token, -1 elsewhere),
+      loss_mask (float32; 1 on sampled response tokens, 0 on a tool's), behavior_logprobs (float32;
+      0 off the sampled tokens), versions (long; policy version of each sampled token, -1 elsewhere),
       advantages (float32; the sample's scalar advantage on its response tokens, 0 elsewhere),
       only when `advantages` (one value per sample) is given;
     and `[B]`: prompt_lengths, response_lengths (long), rewards (float32, when given).
@@ -65,6 +69,10 @@ def build_batch(
             logprobs[b, p:p + r] = torch.tensor(s.response_logprobs, dtype=torch.float32)
             versions[b, p:p + r] = torch.tensor(s.response_versions, dtype=torch.long)
             loss_mask[b, p:p + r] = 1.0
+            for start, end in (s.agent.tool_spans if s.agent else ()):  # a tool's tokens: context only
+                loss_mask[b, p + start:p + end] = 0.0
+                logprobs[b, p + start:p + end] = 0.0
+                versions[b, p + start:p + end] = -1
         attention_mask[b, :p + r] = 1
         prompt_lengths[b], response_lengths[b] = p, r
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,

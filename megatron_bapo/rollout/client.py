@@ -123,6 +123,12 @@ class RolloutClient(ControlMixin):
         return self._background.submit(coro)
 
     @property
+    def abort_epoch(self) -> int:
+        """Counts `abort_all` calls: work that began at epoch e was aborted since when it differs
+        (the agent loop ends a sample's round there instead of sending its next turn)."""
+        return self._abort_epoch
+
+    @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The background event loop (started on first use)."""
         if self._background is None:

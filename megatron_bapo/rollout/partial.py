@@ -24,6 +24,11 @@ trainer takes a round).
 A segment whose request failed on every server leaves its sample as it was (nothing lost) and the
 step raises RolloutError after recording the segments that did succeed. `state_dict()` is
 JSON-safe and restores the buffer exactly.
+
+Multi-turn samples (`agent`, a `rollout.agent.AgentLoop`): a sample's round is then the agent loop's
+`advance` instead of one segment: model turns and tool calls alternate within the round's token
+budget (`segment_tokens` of sampled tokens), each request through `_Turn` (the same seeds, routing,
+version labels and finish states as a single-turn segment). Staleness counts sampled tokens only.
 """
 
 from __future__ import annotations
@@ -33,12 +38,15 @@ import hashlib
 import logging
 import time
 import uuid
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from megatron_bapo.rollout.client import RolloutClient
 from megatron_bapo.rollout.config import PartialRolloutConfig
 from megatron_bapo.rollout.errors import ProtocolError, RequestRejected, RolloutError
 from megatron_bapo.rollout.types import GenerateResult, Prompt, RolloutGroup, RolloutRound, Sample, SampleState
+
+if TYPE_CHECKING:
+    from megatron_bapo.rollout.agent import AgentLoop
 
 logger = logging.getLogger(__name__)
 STATE_FORMAT = 1
@@ -49,18 +57,22 @@ _COUNTERS = ("num_groups_started", "num_groups_finished", "num_groups_failed", "
 class PartialRolloutManager:
     """Owns the partial-rollout buffer; the trainer calls `step` once per RL step."""
 
-    def __init__(self, client: RolloutClient, config: PartialRolloutConfig, *, seed: Optional[int] = None) -> None:
+    def __init__(self, client: RolloutClient, config: PartialRolloutConfig, *, seed: Optional[int] = None,
+                 agent: Optional["AgentLoop"] = None) -> None:
         """`seed`: when set, every segment request carries its own `sampling_seed`, derived from
         (seed, the group's prompt index and start version, the sample's index in the group, the
         tokens it has so far, its regenerations), so a run samples the same responses whatever
         order its requests reach the servers in, and a resumed run samples as the uninterrupted one
         would. Set it only for servers that honour seeds (SGLang: `--enable-deterministic-inference`;
-        the driver passes it when `rollout.deterministic_inference`). None: the servers' own generators."""
+        the driver passes it when `rollout.deterministic_inference`). None: the servers' own generators.
+        `agent`: run multi-turn, tool-calling samples (module docstring); None: one segment per round."""
         self.client = client
         self.config = config
         self.seed = seed
+        self.agent = agent
+        self.counters = _COUNTERS + (agent.COUNTERS if agent is not None else ())
         self.buffer: list[RolloutGroup] = []
-        self.totals: dict[str, int] = {k: 0 for k in _COUNTERS}
+        self.totals: dict[str, int] = {k: 0 for k in self.counters}
         """Counters since the run started (checkpointed); each round's own are in its metrics."""
         self._warned_version = False
 
@@ -78,7 +90,7 @@ class PartialRolloutManager:
         staleness cap and for tokens whose reply carried no integer weight_version.
         """
         started = time.monotonic()
-        step = {k: 0 for k in _COUNTERS}
+        step = {k: 0 for k in self.counters}
         bad_replies = self.client.stats.get("num_bad_replies", 0)
         for p in prompts:
             if not p.prompt_ids:
@@ -88,7 +100,7 @@ class PartialRolloutManager:
                                             samples=[Sample(prompt_ids=list(p.prompt_ids)) for _ in range(g)]))
         step["num_groups_started"] = len(prompts)
 
-        jobs: list[tuple[Sample, Optional[int]]] = []
+        jobs: list[tuple[RolloutGroup, int, Sample]] = []
         for group in self.buffer:
             # The cap covers finished samples waiting for their siblings too, and the whole group
             # restarts together, so its samples stay in step (they would otherwise reset each other).
@@ -104,19 +116,18 @@ class PartialRolloutManager:
                 if self._budget(s) <= 0:
                     s.state = SampleState.TRUNCATED
                     continue
-                jobs.append((s, self._request_seed(group, j, s)))
+                jobs.append((group, j, s))
 
-        results = await asyncio.gather(*(self._segment(s, seed) for s, seed in jobs), return_exceptions=True)
+        results = await asyncio.gather(*(self._advance(g, j, s, version, step) for g, j, s in jobs),
+                                       return_exceptions=True)
         errors: list[BaseException] = []
         rejections: list[str] = []
-        for (s, _), res in zip(jobs, results):
+        for (_, _, s), res in zip(jobs, results):
             if isinstance(res, RequestRejected):
                 s.state, s.error = SampleState.FAILED, str(res)
                 rejections.append(str(res))
             elif isinstance(res, BaseException):
-                errors.append(res)  # the sample keeps its previous state and is retried next step
-            else:
-                self._apply(s, res, version, step)
+                errors.append(res)  # the sample keeps what it had recorded and is resumed next step
 
         if rejections:  # one line per step, not one per request
             logger.warning("%d rollout request(s) rejected (4xx), their groups dropped; first: %s",
@@ -151,7 +162,7 @@ class PartialRolloutManager:
             return groups, 0
         keep, stale = [], []
         for g in groups:
-            oldest = min((v for s in g.samples for v in s.response_versions), default=version)
+            oldest = min((v for s in g.samples for v in s.model_versions), default=version)  # sampled tokens only
             (stale if version - oldest > cap else keep).append(g)
         for g in stale:
             for s in g.samples:
@@ -165,16 +176,29 @@ class PartialRolloutManager:
                         version)
         return keep, regenerated
 
+    async def _advance(self, group: RolloutGroup, index: int, s: Sample, version: int, step: dict[str, int]) -> None:
+        """The sample's work of this round: one segment, or the agent loop's turns and tool calls."""
+        if self.agent is not None:
+            await self.agent.advance(s, _Turn(self, group, index, s, version, step), self.config.segment_budget, step)
+            return
+        res = await self._segment(s, self._request_seed(group, index, s))
+        self._apply(s, res, version, step)
+
     def _too_stale(self, s: Sample, version: int) -> bool:
         cap = self.config.max_staleness
-        return cap is not None and bool(s.response_versions) and int(version) - min(s.response_versions) > cap
+        versions = s.model_versions  # a tool's tokens have no version
+        return cap is not None and bool(versions) and int(version) - min(versions) > cap
+
+    def _room(self, s: Sample) -> int:
+        """Tokens the sample may still add (response and context limits; tool results count)."""
+        room = self.config.max_response_tokens - len(s.response_ids)
+        if self.config.max_context_tokens is not None:
+            room = min(room, self.config.max_context_tokens - len(s.prompt_ids) - len(s.response_ids))
+        return room
 
     def _budget(self, s: Sample) -> int:
         """max_new_tokens of the sample's next segment (<= 0: no room left, it is truncated)."""
-        budget = min(self.config.segment_budget, self.config.max_response_tokens - len(s.response_ids))
-        if self.config.max_context_tokens is not None:
-            budget = min(budget, self.config.max_context_tokens - len(s.prompt_ids) - len(s.response_ids))
-        return budget
+        return min(self.config.segment_budget, self._room(s))
 
     def _request_seed(self, group: RolloutGroup, index: int, s: Sample) -> Optional[int]:
         """The segment's `sampling_seed`, or None for the server's generator (see __init__)."""
@@ -183,8 +207,10 @@ class PartialRolloutManager:
         key = f"{self.seed}:{group.prompt.index}:{group.start_version}:{index}:{len(s.response_ids)}:{s.num_regenerations}"
         return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
-    async def _segment(self, s: Sample, seed: Optional[int] = None) -> GenerateResult:
-        params = {**self.config.sampling.to_params(), "max_new_tokens": self._budget(s)}
+    async def _segment(self, s: Sample, seed: Optional[int] = None, max_new_tokens: Optional[int] = None) -> GenerateResult:
+        params = {**self.config.sampling.to_params(), "max_new_tokens": max_new_tokens or self._budget(s)}
+        if self.agent is not None:
+            params = self.agent.request_params(params)
         if seed is not None:
             params["sampling_seed"] = seed
         if not self.config.return_routed_experts:
@@ -198,8 +224,9 @@ class PartialRolloutManager:
                                f"with --enable-return-routed-experts")
         return res
 
-    def _apply(self, s: Sample, res: GenerateResult, version: int, step: dict[str, int]) -> None:
-        requested = self._budget(s)
+    def _apply(self, s: Sample, res: GenerateResult, version: int, step: dict[str, int],
+               requested: Optional[int] = None) -> None:
+        requested = requested or self._budget(s)
         if any(v is None for v in res.versions) and not self._warned_version:
             logger.warning("server %s reports a non-integer weight_version; tokens are labelled with the "
                            "trainer's version %d (call update_weights_from_disk with an int version first)",
@@ -237,12 +264,14 @@ class PartialRolloutManager:
 
     def _metrics(self, step: dict[str, int], finished: list[RolloutGroup], seconds: float) -> dict[str, float]:
         samples = [s for g in finished for s in g.samples]
-        out = {f"rollout/{k}": float(v) for k, v in step.items()}
+        out = {f"rollout/{k}": float(v) for k, v in step.items() if k in _COUNTERS}
         out["rollout/buffer_groups"] = float(len(self.buffer))
         out["rollout/buffer_samples_partial"] = float(sum(
             1 for g in self.buffer for s in g.samples if s.state in (SampleState.PARTIAL, SampleState.ABORTED)))
         out["rollout/step_s"] = seconds
         out["rollout/tokens_per_s"] = step["num_tokens_generated"] / seconds if seconds > 0 else 0.0
+        if self.agent is not None:
+            out.update(self.agent.metrics(step, samples))
         if samples:
             lengths = [s.response_length for s in samples]
             out["rollout/response_len_mean"] = sum(lengths) / len(lengths)
@@ -264,7 +293,34 @@ class PartialRolloutManager:
             raise ValueError(f"partial-rollout state has groups of another size than "
                              f"PartialRolloutConfig.group_size={self.config.group_size}: {bad[:3]}")
         self.buffer = groups
-        self.totals = {k: int(state.get("totals", {}).get(k, 0)) for k in _COUNTERS}
+        self.totals = {k: int(state.get("totals", {}).get(k, 0)) for k in self.counters}
+
+
+class _Turn:
+    """One sample's requests in this round, as the agent loop makes them (`AgentLoop.advance`): each
+    `generate` is a segment of the single-turn path (its seed, routing, version labels and finish
+    state), so the loop itself never touches log-probs or versions."""
+
+    def __init__(self, manager: PartialRolloutManager, group: RolloutGroup, index: int, sample: Sample,
+                 version: int, step: dict[str, int]) -> None:
+        self.manager, self.group, self.index, self.sample, self.version, self.step = (
+            manager, group, index, sample, version, step)
+        self.epoch = manager.client.abort_epoch
+
+    async def generate(self, max_new_tokens: int) -> GenerateResult:
+        """Sample up to `max_new_tokens` after everything the sample holds; the tokens are recorded."""
+        m, s = self.manager, self.sample
+        res = await m._segment(s, m._request_seed(self.group, self.index, s), max_new_tokens)
+        m._apply(s, res, self.version, self.step, requested=max_new_tokens)
+        return res
+
+    def room(self) -> int:
+        """Tokens the sample may still add before max_response_tokens / the context is reached."""
+        return self.manager._room(self.sample)
+
+    def aborted(self) -> bool:
+        """Whether `abort_all` came since the round began (a checkpoint's or a weight update's pause)."""
+        return self.manager.client.abort_epoch != self.epoch
 
 
 def _append_routing(s: Sample, res: GenerateResult) -> None:

@@ -3,6 +3,9 @@
 Per-token lists are aligned: `response_ids[i]` was generated with log-prob `response_logprobs[i]`
 by policy version `response_versions[i]`. A mixture-of-experts rollout also keeps, per position of
 prompt + response, the experts every MoE layer chose (`Sample.routed_experts`, for routing replay).
+In a multi-turn sample (`rollout.agent`) some response tokens were written by a tool, not sampled:
+`Sample.agent.tool_spans` says which; they hold log-prob 0.0 and version `NO_VERSION` as
+placeholders, and everything that trains or judges staleness reads `model_mask` / `model_versions`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ import base64
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+NO_VERSION = -1
+"""The version of a token no policy produced (a tool's result; off the response in a batch)."""
 
 
 @dataclass
@@ -60,6 +66,49 @@ class SampleState(str, enum.Enum):
 
 
 @dataclass
+class AgentState:
+    """Multi-turn bookkeeping of one sample (`rollout.agent`, `rollout.agent.AgentLoop`), JSON-safe
+    so a sample can stop between any two tokens or between a turn and its tool call and resume."""
+
+    tool_spans: list[list[int]] = field(default_factory=list)
+    """`[start, end)` positions in `response_ids` written by tools (result tokens), in order."""
+    turn_start: int = 0
+    """Where the current model turn began in `response_ids` (its calls are parsed from there)."""
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    """Calls of the last finished model turn not run yet (`tool_calls.ToolCall` dicts): the turn
+    ended where a segment's budget ended, so its tools run first when the sample resumes."""
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+    num_tool_timeouts: int = 0
+    num_tool_truncated: int = 0
+    tool_seconds: float = 0.0
+    ended_by: Optional[str] = None
+    """Why the sample finished: "answer" (a turn without a call), "max_turns" (a call in the last
+    allowed turn, not run), "length" (the response budget ran out in a turn), "no_room" (a tool's
+    result did not fit the response budget)."""
+
+    @property
+    def num_tool_tokens(self) -> int:
+        return sum(end - start for start, end in self.tool_spans)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tool_spans": [list(x) for x in self.tool_spans], "turn_start": self.turn_start,
+                "pending": [dict(c) for c in self.pending], "num_tool_calls": self.num_tool_calls,
+                "num_tool_errors": self.num_tool_errors, "num_tool_timeouts": self.num_tool_timeouts,
+                "num_tool_truncated": self.num_tool_truncated, "tool_seconds": self.tool_seconds,
+                "ended_by": self.ended_by}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AgentState":
+        return cls(tool_spans=[[int(a), int(b)] for a, b in d.get("tool_spans", [])],
+                   turn_start=int(d.get("turn_start", 0)), pending=[dict(c) for c in d.get("pending", [])],
+                   num_tool_calls=int(d.get("num_tool_calls", 0)), num_tool_errors=int(d.get("num_tool_errors", 0)),
+                   num_tool_timeouts=int(d.get("num_tool_timeouts", 0)),
+                   num_tool_truncated=int(d.get("num_tool_truncated", 0)),
+                   tool_seconds=float(d.get("tool_seconds", 0.0)), ended_by=d.get("ended_by"))
+
+
+@dataclass
 class Sample:
     """One response of a group, possibly built from several segments."""
 
@@ -85,10 +134,37 @@ class Sample:
     `meta_info.routed_experts` from `routed_experts_start_len = rows so far`). Empty: none recorded."""
     routed_width: int = 0
     """Ids per row (`num_layers x top_k`); 0 while nothing is recorded."""
+    agent: Optional[AgentState] = None
+    """Multi-turn state (`rollout.agent`); None for a single-turn sample (every response token sampled)."""
 
     @property
     def response_length(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def model_mask(self) -> list[bool]:
+        """Per response token: sampled by the policy (True) or written by a tool (False)."""
+        mask = [True] * len(self.response_ids)
+        for start, end in (self.agent.tool_spans if self.agent else ()):
+            mask[start:end] = [False] * (end - start)
+        return mask
+
+    @property
+    def model_versions(self) -> list[int]:
+        """Versions of the sampled tokens only: what staleness is judged by."""
+        if not self.agent or not self.agent.tool_spans:
+            return self.response_versions
+        return [v for v, m in zip(self.response_versions, self.model_mask) if m]
+
+    def append_tool_tokens(self, ids: list[int]) -> None:
+        """Append a tool's result tokens: no log-prob (0.0) and no version (`NO_VERSION`), recorded as a span."""
+        if self.agent is None:
+            self.agent = AgentState()
+        start = len(self.response_ids)
+        self.response_ids.extend(int(x) for x in ids)
+        self.response_logprobs.extend([0.0] * len(ids))
+        self.response_versions.extend([NO_VERSION] * len(ids))
+        self.agent.tool_spans.append([start, len(self.response_ids)])
 
     @property
     def routed_rows(self) -> int:
@@ -100,6 +176,8 @@ class Sample:
         self.response_ids, self.response_logprobs, self.response_versions = [], [], []
         self.state, self.finish_reason, self.num_segments = SampleState.PENDING, None, 0
         self.routed_experts, self.routed_width = b"", 0
+        if self.agent is not None:
+            self.agent = AgentState()
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompt_ids": list(self.prompt_ids), "response_ids": list(self.response_ids),
@@ -108,7 +186,7 @@ class Sample:
                 "finish_reason": self.finish_reason, "num_segments": self.num_segments,
                 "num_regenerations": self.num_regenerations, "error": self.error, "reward": self.reward,
                 "routed_experts": base64.b64encode(self.routed_experts).decode("ascii"),
-                "routed_width": self.routed_width}
+                "routed_width": self.routed_width, "agent": self.agent.to_dict() if self.agent else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
@@ -118,7 +196,8 @@ class Sample:
                    finish_reason=d.get("finish_reason"), num_segments=int(d.get("num_segments", 0)),
                    num_regenerations=int(d.get("num_regenerations", 0)), error=d.get("error"),
                    reward=d.get("reward"), routed_experts=base64.b64decode(d.get("routed_experts") or ""),
-                   routed_width=int(d.get("routed_width", 0)))
+                   routed_width=int(d.get("routed_width", 0)),
+                   agent=AgentState.from_dict(d["agent"]) if d.get("agent") else None)
 
 
 @dataclass

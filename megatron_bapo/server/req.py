@@ -80,13 +80,11 @@ def abort_reason(message: str) -> dict:
 
 
 def check_finished(req: Req, tok: int, tokenizer) -> Optional[dict]:
-    """The finish reason after `tok` was appended, or None. SGLang's order: length first, then
-    stop/EOS ids (skipped with ignore_eos), then stop strings and `stop_regex` on the decoded tail."""
+    """The finish reason after `tok` was appended, or None. SGLang 0.5.23's order
+    (`Req.update_finish_state`): stop strings and `stop_regex` on the decoded tail, then stop/EOS ids
+    (skipped with ignore_eos), then length. So a budget that ends on a stop is a stop, not a length:
+    partial rollout continues only a response that did not end."""
     sp = req.item.params
-    if len(req.output_ids) >= sp.max_new_tokens:
-        return {"type": "length", "length": sp.max_new_tokens}
-    if tok in req.stop_ids:
-        return {"type": "stop", "matched": tok}
     if (sp.stop or sp.stop_regex) and tokenizer is not None:
         longest = max([len(s) for s in sp.stop] + [64 if sp.stop_regex else 0])
         tail = tokenizer.decode(req.output_ids[-(longest + 8):], skip_special_tokens=sp.skip_special_tokens)
@@ -96,6 +94,10 @@ def check_finished(req: Req, tok: int, tokenizer) -> Optional[dict]:
         for pattern in sp.stop_regex:
             if re.search(pattern, tail):
                 return {"type": "stop", "matched": pattern}
+    if tok in req.stop_ids:
+        return {"type": "stop", "matched": tok}
+    if len(req.output_ids) >= sp.max_new_tokens:
+        return {"type": "length", "length": sp.max_new_tokens}
     return None
 
 

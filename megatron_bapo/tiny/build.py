@@ -7,6 +7,10 @@
     data/test.jsonl    held-out prompts (disjoint operand pairs)
     info.json          settings, the SFT curve and the measured base accuracy (greedy and sampled)
 
+`TinyAssetsConfig.tools()` builds the tool task instead (`tiny.tool_task`: 3-digit multiplication,
+a calculator call in a share of the SFT examples; base accuracy and tool-call rate measured through
+an in-process agent loop; reward "arithmetic_final").
+
 info.json is written last, so its presence means the directory is complete.
 """
 
@@ -47,6 +51,18 @@ class TinyAssetsConfig:
     num_base_eval: int = 500
     """Test problems for the base accuracy written to info.json (at most the test split size)."""
 
+    @classmethod
+    def tools(cls, seed: int = 0) -> "TinyAssetsConfig":
+        """The tool task (module docstring): multiplication, 30% of the SFT examples call the calculator,
+        no looping habit, SFT stopped at 15% sampled accuracy (the curve: `tiny.tool_task`)."""
+        return cls(seed=seed, task=TaskConfig.tools(),
+                   sft=SFTConfig(tool_fraction=0.3, loop_fraction=0.0, target_accuracy=0.15, max_steps=400,
+                                 eval_every=100, min_steps=200))
+
+    @property
+    def is_tool_task(self) -> bool:
+        return self.sft.tool_fraction > 0
+
 
 class OutputExistsError(FileExistsError):
     """The output directory is not empty and overwriting was not asked for."""
@@ -82,11 +98,26 @@ def build_tiny_assets(
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, seed=config.seed, **config.model)
     num_params = sum(p.numel() for p in model.parameters())
-    result = run_sft(model, tokenizer, train, sft_config, on_step=on_step)
+    evaluate = None
+    if config.is_tool_task:
+        from megatron_bapo.tiny.tool_task import agent_accuracy
+
+        def evaluate(m, rows):  # sampled, as RL samples: the stopping measure of the tool task
+            return agent_accuracy(m, tokenizer, rows, temperature=1.0, seed=sft_config.seed)
+    result = run_sft(model, tokenizer, train, sft_config, on_step=on_step, evaluate=evaluate)
 
     eval_rows = test[: config.num_base_eval]
-    greedy = answer_accuracy(model, tokenizer, eval_rows)
-    sampled = answer_accuracy(model, tokenizer, eval_rows, temperature=1.0, seed=config.seed)
+    base: dict[str, Any]
+    if config.is_tool_task:
+        greedy_m = agent_accuracy(model, tokenizer, eval_rows)
+        sampled_m = agent_accuracy(model, tokenizer, eval_rows, temperature=1.0, seed=config.seed)
+        greedy, sampled = greedy_m["accuracy"], sampled_m["accuracy"]
+        base = {"greedy": greedy, "sampled_t1": sampled, "tool_call_rate_greedy": greedy_m["tool_call_rate"],
+                "tool_call_rate_sampled_t1": sampled_m["tool_call_rate"]}
+    else:
+        greedy = answer_accuracy(model, tokenizer, eval_rows)
+        sampled = answer_accuracy(model, tokenizer, eval_rows, temperature=1.0, seed=config.seed)
+        base = {"greedy": greedy, "sampled_t1": sampled}
     save_quietly(model, out / "base_model")
     tokenizer.save_pretrained(out / "base_model")
 
@@ -94,9 +125,10 @@ def build_tiny_assets(
         "base_model": "base_model",
         "train_path": "data/train.jsonl",
         "test_path": "data/test.jsonl",
-        "reward": "arithmetic",
+        "task": "tools" if config.is_tool_task else "addition",
+        "reward": "arithmetic_final" if config.is_tool_task else "arithmetic",
         "num_parameters": num_params,
-        "base_accuracy": {"greedy": greedy, "sampled_t1": sampled, "num_problems": len(eval_rows), "split": "test"},
+        "base_accuracy": {**base, "num_problems": len(eval_rows), "split": "test"},
         "sft": {"num_steps": result.num_steps, "stopped_because": result.stopped_because,
                 "seconds": round(result.seconds, 2), "curve": result.curve},
         "seconds_total": round(time.perf_counter() - start, 2),

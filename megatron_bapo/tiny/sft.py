@@ -12,6 +12,10 @@ masked), AdamW at a constant learning rate after a short warmup. Every `eval_eve
 accuracy on a fixed validation set is measured and training stops as soon as it reaches
 `target_accuracy`: a base at roughly 20-50% greedy accuracy leaves RL room to improve, and stopping on
 a measured target (instead of a fixed step count) keeps that true on slower or noisier machines.
+
+The tool task (`tiny.tool_task`) shows a calculator call on `tool_fraction` of the examples (the
+tool's result tokens masked from the loss, as in RL) and a direct answer on the rest; its stopping
+rule measures the accuracy of sampled responses through an in-process agent loop instead (`evaluate`).
 """
 
 from __future__ import annotations
@@ -54,10 +58,17 @@ class SFTConfig:
     with EOS (the base's looping habit, see the module docstring); 0 = none."""
     loop_tokens: int = 12
     """Length of a looped response in tokens (the RL run's rollout.max_response_tokens)."""
+    tool_fraction: float = 0.0
+    """Share of examples that demonstrate a calculator call (`tiny.tool_task`) instead of answering
+    directly; 0 = none (the default task)."""
 
     def validate(self) -> None:
         if not 0.0 <= self.loop_fraction < 1.0:
             raise ValueError(f"sft.loop_fraction must be in [0, 1), got {self.loop_fraction}")
+        if not 0.0 <= self.tool_fraction <= 1.0:
+            raise ValueError(f"sft.tool_fraction must be in [0, 1], got {self.tool_fraction}")
+        if self.tool_fraction and self.loop_fraction:
+            raise ValueError("sft.tool_fraction and sft.loop_fraction cannot both be set (one habit per task)")
         for name in ("max_steps", "loop_tokens", "batch_size", "eval_every", "num_eval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
@@ -77,7 +88,8 @@ class SFTResult:
     stopped_because: str
     """"target_reached" or "max_steps"."""
     curve: list[dict]
-    """One entry per evaluation: {"step", "loss" (mean since the previous eval), "greedy_accuracy", "seconds"}."""
+    """One entry per evaluation: {"step", "loss" (mean since the previous eval), "greedy_accuracy", "seconds"}
+    (the tool task: what its `evaluate` returns, "accuracy" and "tool_call_rate", instead of "greedy_accuracy")."""
     losses: list[float]
     """Training loss of every step."""
     seconds: float
@@ -89,13 +101,21 @@ def looped_answer(answer: str, num_tokens: int) -> str:
 
 
 def make_sft_batch(tokenizer, rows: Sequence[dict], looped: Optional[Sequence[bool]] = None,
-                   loop_tokens: int = 12) -> dict[str, torch.Tensor]:
+                   loop_tokens: int = 12, tool_demo: Optional[Sequence[bool]] = None) -> dict[str, torch.Tensor]:
     """Right-padded `input_ids`, `attention_mask` and `labels` (response tokens only) for prompt/answer
-    rows; the response is answer + EOS, or for `looped[i]` the looped answer (no EOS)."""
+    rows; the response is answer + EOS, or for `looped[i]` the looped answer (no EOS), or for
+    `tool_demo[i]` a calculator call, its result (not labelled: a tool wrote it) and the answer."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     seqs, labels = [], []
     for i, row in enumerate(rows):
         prompt_ids = tokenizer.encode(row["prompt"])
+        if tool_demo is not None and tool_demo[i]:
+            from megatron_bapo.tiny.tool_task import demo_ids
+
+            answer_ids, model_wrote = demo_ids(tokenizer, row)
+            seqs.append(prompt_ids + answer_ids)
+            labels.append([IGNORE_INDEX] * len(prompt_ids) + [t if m else IGNORE_INDEX for t, m in zip(answer_ids, model_wrote)])
+            continue
         if looped is not None and looped[i]:
             answer_ids = tokenizer.encode(looped_answer(row["answer"], loop_tokens))
         else:
@@ -120,11 +140,13 @@ def run_sft(
     config: Optional[SFTConfig] = None,
     *,
     on_step: Optional[Callable[[int, float], None]] = None,
+    evaluate: Optional[Callable[[torch.nn.Module, list[dict]], dict]] = None,
 ) -> SFTResult:
     """Train `model` in place on `train_rows` until the greedy target or `max_steps`; returns the curve.
 
     `on_step(step, loss)` is called after every optimizer step (e.g. to advance a progress bar).
-    Deterministic for a given seed, model and row list (single-threaded math aside).
+    `evaluate(model, rows) -> {"accuracy": ..., ...}` replaces the greedy accuracy as the stopping
+    measure (the tool task). Deterministic for a given seed, model and row list (single-threaded math aside).
     """
     config = config or SFTConfig()
     config.validate()
@@ -144,7 +166,8 @@ def run_sft(
     for step in range(1, config.max_steps + 1):
         rows = rng.choices(train_rows, k=config.batch_size)
         looped = [rng.random() < config.loop_fraction for _ in rows] if config.loop_fraction else None
-        batch = make_sft_batch(tokenizer, rows, looped, config.loop_tokens)
+        tool_demo = [rng.random() < config.tool_fraction for _ in rows] if config.tool_fraction else None
+        batch = make_sft_batch(tokenizer, rows, looped, config.loop_tokens, tool_demo)
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -155,11 +178,14 @@ def run_sft(
         if on_step is not None:
             on_step(step, losses[-1])
         if step % config.eval_every == 0 or step == config.max_steps:
-            accuracy = answer_accuracy(model, tokenizer, eval_rows)
+            measured = ({"greedy_accuracy": answer_accuracy(model, tokenizer, eval_rows)} if evaluate is None
+                        else evaluate(model, eval_rows))
+            accuracy = measured["greedy_accuracy" if evaluate is None else "accuracy"]
             recent = losses[-config.eval_every:]
-            curve.append({"step": step, "loss": sum(recent) / len(recent), "greedy_accuracy": accuracy,
+            curve.append({"step": step, "loss": sum(recent) / len(recent), **measured,
                           "seconds": round(time.perf_counter() - start, 2)})
-            logger.info("sft step %d: loss %.4f, greedy accuracy %.3f", step, curve[-1]["loss"], accuracy)
+            logger.info("sft step %d: loss %.4f, %s", step, curve[-1]["loss"],
+                        ", ".join(f"{k} {v:.3f}" for k, v in measured.items()))
             if accuracy >= config.target_accuracy and step >= config.min_steps:
                 stopped_because = "target_reached"
                 break

@@ -7,6 +7,10 @@ model learns in about a minute of CPU SFT, while the normal order stays near 5-1
 (the shared notes, tiny-task-calibration.md). That leaves room to stop SFT at a partial accuracy
 that RL can visibly improve. Graded by `megatron_bapo.rewards.arithmetic` ("arithmetic").
 
+The tool task (`TaskConfig.tools()`, `megatron_bapo.tiny.tool_task`) is 3-digit multiplication with
+the product written normally, "482*375=" -> "180750": far beyond what the tiny model computes, easy
+with a calculator call.
+
 Train and test splits are disjoint sets of operand pairs, fixed by the seed.
 """
 
@@ -31,8 +35,19 @@ class TaskConfig:
     num_test: int = 500
     """Rows in test.jsonl, disjoint from train (evaluation, base accuracy)."""
     seed: int = 0
+    operation: str = "+"
+    """"+" (the default task) or "*" (the tool task)."""
+    reverse_answer: bool = True
+    """Write the answer least-significant digit first (the default task) or normally (the tool task)."""
+
+    @classmethod
+    def tools(cls) -> "TaskConfig":
+        """The tool task: 3-digit multiplication, the product written normally."""
+        return cls(min_operand=100, max_operand=999, operation="*", reverse_answer=False)
 
     def validate(self) -> None:
+        if self.operation not in OPERATIONS:
+            raise ValueError(f"task.operation must be one of {sorted(OPERATIONS)}, got {self.operation!r}")
         if self.min_operand < 0:
             raise ValueError(f"task.min_operand must be >= 0, got {self.min_operand}")
         if self.max_operand < self.min_operand:
@@ -47,6 +62,9 @@ class TaskConfig:
             )
 
 
+OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
+
+
 def reverse_digits(n: int) -> str:
     """Decimal digits of a non-negative integer, least-significant first: 85 -> "58", 80 -> "08"."""
     if n < 0:
@@ -54,9 +72,12 @@ def reverse_digits(n: int) -> str:
     return str(n)[::-1]
 
 
-def make_problem(a: int, b: int) -> dict:
-    """One dataset row: `{"prompt": "a+b=", "answer": reversed digits of a+b, "a": a, "b": b}`."""
-    return {"prompt": f"{a}+{b}=", "answer": reverse_digits(a + b), "a": a, "b": b}
+def make_problem(a: int, b: int, operation: str = "+", reverse_answer: bool = True) -> dict:
+    """One dataset row: `{"prompt": "a+b=", "answer": reversed digits of a+b, "a": a, "b": b}` (or
+    `a*b`, the answer written normally, for the tool task)."""
+    value = OPERATIONS[operation](a, b)
+    return {"prompt": f"{a}{operation}{b}=", "answer": reverse_digits(value) if reverse_answer else str(value),
+            "a": a, "b": b}
 
 
 def generate_splits(config: Optional[TaskConfig] = None) -> tuple[list[dict], list[dict]]:
@@ -68,8 +89,8 @@ def generate_splits(config: Optional[TaskConfig] = None) -> tuple[list[dict], li
     # Sample distinct pair indices without materialising every pair (cheap even for 4-digit operands).
     chosen = rng.sample(range(span * span), config.num_test + config.num_train)
     pairs = [(config.min_operand + i // span, config.min_operand + i % span) for i in chosen]
-    test = [make_problem(a, b) for a, b in pairs[: config.num_test]]
-    train = [make_problem(a, b) for a, b in pairs[config.num_test:]]
+    test = [make_problem(a, b, config.operation, config.reverse_answer) for a, b in pairs[: config.num_test]]
+    train = [make_problem(a, b, config.operation, config.reverse_answer) for a, b in pairs[config.num_test:]]
     return train, test
 
 

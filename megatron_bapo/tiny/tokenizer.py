@@ -15,6 +15,11 @@ Layout (ids are stable, tests and docs rely on them):
 - 0 `<|pad|>`, 1 `<|endoftext|>` (EOS), 2 `<|im_start|>`, 3 `<|im_end|>`;
 - 4.. "\\t", "\\n" and the 95 printable ASCII characters (space .. "~"), so digit d is id 4 + 2 + 16 + d;
 - then the other 159 byte values (non-ASCII text, control characters);
+- then the tool-call markup of Qwen3/Hermes (`TOOL_TOKENS`: 260 `<tool_call>`, 261 `</tool_call>`,
+  262 `<tool_response>`, 263 `</tool_response>`), one token each, as Qwen3's vocabulary has them, so
+  the markup tokenizes the same way wherever it appears and a model turn can stop on `</tool_call>`
+  (`rollout.agent`, docs/rollout.md). Like Qwen3's they are added tokens that are not "special":
+  `decode(..., skip_special_tokens=True)` keeps them, so a reward sees the whole exchange;
 - then `<|reserved_K|>` specials padding the vocabulary to a multiple of `pad_to_multiple_of`, so
   `len(tokenizer) == config.vocab_size` (320 by default).
 """
@@ -29,6 +34,8 @@ EOS_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
 IM_END_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
+TOOL_TOKENS: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+"""Hermes/Qwen3 tool-call markup, one (non-special) added token each."""
 
 CHARACTERS: tuple[str, ...] = ("\t", "\n") + tuple(chr(c) for c in range(0x20, 0x7F))
 """The characters that come first in the vocabulary: tab, newline and printable ASCII."""
@@ -69,7 +76,7 @@ def tiny_vocab(pad_to_multiple_of: int = 64) -> dict[str, int]:
     byte_chars = _bytes_to_unicode()
     first = [ord(c) for c in CHARACTERS]
     byte_order = first + [b for b in range(256) if b not in set(first)]
-    tokens = list(SPECIAL_TOKENS) + [byte_chars[b] for b in byte_order]
+    tokens = list(SPECIAL_TOKENS) + [byte_chars[b] for b in byte_order] + list(TOOL_TOKENS)
     tokens += [f"<|reserved_{k}|>" for k in range(-len(tokens) % pad_to_multiple_of)]
     return {tok: i for i, tok in enumerate(tokens)}
 
@@ -92,6 +99,7 @@ def build_tiny_tokenizer(pad_to_multiple_of: int = 64) -> PreTrainedTokenizerFas
     ])
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(tok, special=True) for tok in vocab if tok.startswith("<|")])
+    backend.add_tokens([AddedToken(tok, special=False, normalized=False) for tok in TOOL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
