@@ -5,8 +5,8 @@
 
 A step "updates" when the actor took at least one optimizer step that was not skipped. After
 `trainer.max_steps_without_update` consecutive steps without one, `NoProgressError` says why, from
-rank 0's metrics of the last steps: stale samples regenerated (servers reporting older weight versions
-than the trainer published), no group finished yet, groups filtered (uniform rewards) or failed
+rank 0's metrics of the last steps: every token too stale to train, or stale samples regenerated
+(servers reporting older weight versions than the trainer published), no group finished yet, groups filtered (uniform rewards) or failed
 (4xx), replies refused, optimizer steps skipped (non-finite). Every rank sees the same updates (the
 batch and the actor's skip decisions are the same everywhere), so every rank stops at the same step.
 Why the derived default never fires on a healthy run: `RunConfig.steps_without_update_limit`.
@@ -19,8 +19,9 @@ import logging
 logger = logging.getLogger(__name__)
 _REASONS_SHOWN = 3
 _HINTS = (
-    ("stale", "stale samples hold tokens more than rollout.max_staleness versions older than the trainer's: do "
-              "the servers serve the versions it publishes (their weight_version, their logs)?"),
+    ("stale", "stale tokens are more than rollout.max_staleness versions older than the trainer's weights (and "
+              "regenerated ones past rollout.max_group_staleness): do the servers serve the versions it publishes "
+              "(their weight_version, their logs)?"),
     ("filtered", "filtered groups had uniform rewards: is the task too hard, or the reward constant?"),
     ("refused", "refused replies are named in the rollout client's warnings"),
 )
@@ -34,6 +35,8 @@ class NoProgressError(RuntimeError):
 def why_no_update(metrics: dict[str, float]) -> str:
     """The reasons a step made no update, read from its metrics (rank 0's; "" elsewhere)."""
     reasons = []
+    if (n := int(metrics.get("staleness/num_masked_tokens", 0))) > 0 and metrics.get("staleness/frac_masked_tokens") == 1:
+        reasons.append(f"all {n} token(s) too stale to train (rollout.max_staleness)")
     if (n := int(metrics.get("rollout/num_regenerated", 0))) > 0:
         reasons.append(f"{n} stale sample(s) regenerated")
     if (n := int(metrics.get("rollout/num_bad_replies", 0))) > 0:
@@ -41,10 +44,11 @@ def why_no_update(metrics: dict[str, float]) -> str:
     if (n := int(metrics.get("rollout/num_groups_failed", 0))) > 0:
         reasons.append(f"{n} group(s) failed (4xx)")
     groups = int(metrics.get("experience/num_groups", 0))
-    if "experience/num_groups" in metrics and groups == 0:
+    filtered = int(metrics.get("experience/num_groups_filtered", 0))
+    if "experience/num_groups" in metrics and groups == 0 and filtered:
+        reasons.append(f"all {filtered} finished group(s) filtered (equal rewards, rollout.dynamic_sampling)")
+    elif "experience/num_groups" in metrics and groups == 0:
         reasons.append(f"no group finished ({int(metrics.get('rollout/buffer_groups', 0))} still generating)")
-    elif groups and int(metrics.get("experience/num_groups_filtered", 0)) >= groups:
-        reasons.append(f"all {groups} finished group(s) filtered (uniform rewards, advantage.filter_uniform_groups)")
     elif groups and not metrics.get("experience/num_samples"):
         reasons.append(f"{groups} finished group(s) but no usable sample")
     if metrics.get("actor/num_optimizer_steps"):

@@ -3,7 +3,8 @@ built-in server on loopback, forwards every request unchanged and records it (me
 JSON body, status, and the reply of control calls) in the order the server received them.
 
 With `rewrite`, it also stands for a server that answers impossibly (the reply-check tests):
-`rewrite(path, request_body, reply_body)` returns the JSON reply to send instead of a 200 reply."""
+`rewrite(path, request_body, reply_body)` returns the JSON reply to send instead of a 200 reply.
+`peak_generate` is the most `/generate` calls it had in flight at once (the concurrency tests)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,20 @@ class RecordingProxy:
         self._runner: Optional[web.AppRunner] = None
         self._session: Optional[aiohttp.ClientSession] = None
         self._lock = threading.Lock()
+        self.generate_in_flight = 0
+        self.peak_generate = 0
 
     async def _handle(self, request: web.Request) -> web.Response:
+        if request.path != "/generate":
+            return await self._forward(request)
+        self.generate_in_flight += 1  # the proxy's own loop: no lock needed
+        self.peak_generate = max(self.peak_generate, self.generate_in_flight)
+        try:
+            return await self._forward(request)
+        finally:
+            self.generate_in_flight -= 1
+
+    async def _forward(self, request: web.Request) -> web.Response:
         raw = await request.read()
         try:
             body: Any = json.loads(raw) if raw.strip() else None

@@ -76,3 +76,28 @@ def test_nan_grad_norm_on_one_stage_skips_the_step_on_every_rank(run_dist):
 def test_too_many_skipped_steps_stop_every_rank(run_dist):
     for res in run_dist(_nan_gradient_on_stage0, 2, 0, timeout=120):
         assert "actor.max_skipped_steps=0" in res["error"]
+
+
+def _nan_logprobs_on_the_last_stage(rank, world_size):
+    """A NaN weight on the last stage: its current log-probs (not the batch's) are NaN, which only the
+    last stage's bound search sees."""
+    actor = _actor()
+    b = make_batch(num_seqs=6, seed=3)
+    b["behavior_logprobs"] = actor.compute_logprobs(b)
+    if actor.parallel.is_last_stage:
+        with torch.no_grad():
+            next(actor.model[0].module.decoder.final_layernorm.parameters()).fill_(float("nan"))
+    before = full_params(actor)
+    metrics = actor.train_step(b)
+    after = full_params(actor)
+    same = all(torch.equal(before[k], after[k]) or bool(torch.isnan(before[k]).any()) for k in before)
+    return {"metrics": metrics, "updates": actor.num_updates, "skipped": actor.num_skipped_steps, "unchanged": same}
+
+
+def test_a_non_finite_search_skips_the_step_on_every_stage(run_dist):
+    """PP 2: the bound search on the last stage meets NaN log-probs. Every rank skips the step
+    together, counted (at 1b21a04 the last stage raised and the first waited in the next
+    collective until the timeout)."""
+    for res in run_dist(_nan_logprobs_on_the_last_stage, 2, timeout=120):
+        assert res["updates"] == 0 and res["skipped"] == 1 and res["unchanged"], res
+        assert res["metrics"]["actor/skipped_steps_total"] == 1

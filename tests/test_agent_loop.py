@@ -17,6 +17,7 @@ from fake_server import ThreadedFakeServer, token_logprob, weights_seed
 from megatron_bapo.rollout import (PartialRolloutConfig, PartialRolloutManager, Prompt, RolloutClient,
                                    RolloutClientConfig, SampleState, build_batch)
 from megatron_bapo.rollout.agent import AgentLoop, ToolConfig
+from megatron_bapo.rollout.batch import build_batch, mask_stale_tokens
 from megatron_bapo.rollout.tool_calls import ToolCallFormat
 from megatron_bapo.rollout.types import NO_VERSION
 
@@ -54,9 +55,11 @@ def agents():
         agent.close()
 
 
-def manager(client, agent, *, group_size=2, max_response_tokens=160, segment_tokens=None, max_staleness=None):
+def manager(client, agent, *, group_size=2, max_response_tokens=160, segment_tokens=None, max_staleness=None,
+            max_group_staleness=None):
     config = PartialRolloutConfig(group_size=group_size, max_response_tokens=max_response_tokens,
-                                  segment_tokens=segment_tokens, max_staleness=max_staleness)
+                                  segment_tokens=segment_tokens, max_staleness=max_staleness,
+                                  max_group_staleness=max_group_staleness)
     return PartialRolloutManager(client, config, agent=agent)
 
 
@@ -157,17 +160,23 @@ def test_partial_rollout_across_turns_resumes_exactly_mid_turn_and_between_a_tur
 
 def test_staleness_counts_sampled_tokens_only(serve, agents):
     srv, client = serve(calculator_user(calls=2), weight_version="5")
-    m = manager(client, agents(max_turns=3), segment_tokens=80, max_staleness=0)
+    m = manager(client, agents(max_turns=3), segment_tokens=80, max_staleness=0, max_group_staleness=0)
     m.step([Prompt(prompt_ids(TOK, "6*7"), answer="42", index=0)], 5)
     (group,) = m.buffer
     assert all(s.agent.tool_spans and s.state is SampleState.PARTIAL for s in group.samples)
     assert any(v == NO_VERSION for s in group.samples for v in s.response_versions)
-    # Version 5 everywhere it was sampled: not stale at 5 with a cap of 0 (the tool's -1 would be).
+    # Version 5 everywhere it was sampled: not past a hard cap of 0 at 5 (the tool's -1 would be).
     assert not m._too_stale(group.samples[0], 5) and m._too_stale(group.samples[0], 6)
     done = m.step([], 5).groups
     assert m.totals["num_regenerated"] == 0 and not m.buffer
-    kept, regenerated = m.requeue_stale(done, 5)  # handed to training at version 5: nothing is too old
-    assert (kept, regenerated) == (done, 0) and m.requeue_stale(done, 6)[1] == 2
+    # At training time (per token, max_staleness 0): nothing leaves the loss at version 5; at 6 every
+    # sampled token does, and the tool's tokens were never in it.
+    samples = [s for g in done for s in g.samples]
+    sampled = sum(len(s.model_versions) for s in samples)
+    for version, masked in ((5, 0), (6, sampled)):
+        batch = build_batch(samples)
+        assert mask_stale_tokens(batch, version, 0)["staleness/num_masked_tokens"] == masked
+    assert int(batch["loss_mask"].sum()) == 0 and sampled < sum(len(s.response_ids) for s in samples)
 
 
 def test_tools_that_hang_crash_exit_or_print_megabytes_give_bounded_errors_and_are_counted(serve, agents, tmp_path,

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_bapo.algorithms import BapoConfig, balance_metric, search_clip_bounds
-from megatron_bapo.algorithms.bound_search import bound_grid, contribution_vectors
+from megatron_bapo.algorithms.bound_search import bound_grid
+from megatron_bapo.algorithms.contribution_bins import contribution_vectors
 
 TIE = 1e-9
 
@@ -337,7 +338,7 @@ def test_bin_index_is_exact_on_and_around_every_grid_value(dtype, grid):
     inclusive for negative ones on the low grid) on values exactly on, one ulp beside and between
     grid values, and past both ends. Clamped grids and coarse dtypes with a tiny step take the
     searchsorted path; both paths are checked."""
-    from megatron_bapo.algorithms.bound_search import _BinIndex, _Workspace
+    from megatron_bapo.algorithms.contribution_bins import _BinIndex, _Workspace
 
     cfg = BapoConfig(**GRIDS[grid])
     clamp = cfg.order == "verl"

@@ -115,6 +115,52 @@ def test_iter_hf_tensors_pp2_buckets(gather_to, tmp_path, run_dist):
         assert all(".layers.1." not in n for n, _ in sum(per_rank[0], []))
 
 
+def _export_bytes(rank, world_size, hf_dir):
+    """TP 2 x PP 2: the bytes each rank sends point-to-point (the pipeline transfers) while the weights
+    are gathered to the first stage, as the weight sync does; rank 0's tensors."""
+    import torch.distributed as dist
+
+    from megatron_bapo.convert import iter_hf_tensors, load_hf_into_model
+    from megatron_bapo.models.builder import build_gpt_model
+    from megatron_bapo.models.parallel import ParallelConfig, initialize_model_parallel
+
+    groups = initialize_model_parallel(ParallelConfig(tp=2, pp=2), seed=1)
+    cfg = hf_config_dict(hf_dir)
+    model = build_gpt_model(cfg)
+    load_hf_into_model([model], hf_dir)
+    sent = {"bytes": 0}
+    send = dist.send
+
+    def counting_send(tensor, *args, **kwargs):
+        sent["bytes"] += tensor.numel() * tensor.element_size()
+        return send(tensor, *args, **kwargs)
+
+    dist.send = counting_send  # counts the bytes this rank puts on the wire; the send itself is gloo's
+    try:
+        got = [(n, t.clone()) for b in iter_hf_tensors([model], cfg, gather_to="first", tp_group=groups.tp_group,
+                                                        pp_group=groups.pp_group) for n, t in b]
+    finally:
+        dist.send = send
+    return {"sent": sent["bytes"], "tensors": got, "pp_rank": groups.pp_rank, "tp_rank": groups.tp_rank}
+
+
+def test_one_sender_per_pipeline_stage(tmp_path, run_dist):
+    """Gathering the weights to the first stage moves each later stage's weights over the pipeline
+    once, from its TP rank 0 (at 1b21a04 every TP rank of stage 1 sent the full tensors: TP times the
+    bytes, about 262 GB per sync at 32B with TP 8), and only TP rank 0 of stage 0 yields them."""
+    hf_dir = make_hf_model("qwen2_untied", tmp_path / "hf", seed=4)
+    src = read_safetensors_dir(hf_dir)
+    res = run_dist(_export_bytes, 4, hf_dir, timeout=180)
+    by = {(r["pp_rank"], r["tp_rank"]): r for r in res}
+    stage1 = sum(t.numel() * t.element_size() for n, t in src.items()
+                 if ".layers.1." in n or n in ("model.norm.weight", "lm_head.weight"))
+    assert by[(1, 0)]["sent"] == stage1, (by[(1, 0)]["sent"], stage1)  # its stage, exactly once
+    assert by[(1, 1)]["sent"] == 0 and by[(0, 0)]["sent"] == 0 and by[(0, 1)]["sent"] == 0
+    rank0 = dict(by[(0, 0)]["tensors"])
+    assert sorted(rank0) == sorted(src) and all(torch.equal(rank0[n], src[n]) for n in src)
+    assert by[(0, 1)]["tensors"] == [] and by[(1, 0)]["tensors"] == [] and by[(1, 1)]["tensors"] == []
+
+
 def _load_only(rank, world_size, hf_dir, cfg):
     from megatron_bapo.convert import load_hf_into_model
     from megatron_bapo.models.builder import build_gpt_model

@@ -181,9 +181,11 @@ def test_versions_come_from_the_server_reply():
         assert {v for s in flatten(groups) for v in s.response_versions} == {7}
 
 
-def test_stale_partial_samples_are_regenerated_not_mixed():
+def test_stale_partial_samples_are_regenerated_past_the_hard_cap_not_mixed():
+    """`max_group_staleness` (the hard cap): a buffered group whose oldest token is older is reset
+    whole, counted in samples and tokens; a response is never a mix of a reset and an old part."""
     with fake_servers(1) as (urls, _), client_for(urls) as client:
-        cfg = PartialRolloutConfig(group_size=4, max_response_tokens=16, segment_tokens=3, max_staleness=0,
+        cfg = PartialRolloutConfig(group_size=4, max_response_tokens=16, segment_tokens=3, max_group_staleness=0,
                                    sampling=SamplingConfig(ignore_eos=True))
         manager = PartialRolloutManager(client, cfg)
         seeds, finished = {}, []
@@ -193,6 +195,7 @@ def test_stale_partial_samples_are_regenerated_not_mixed():
             finished += manager.step(prompts(2) if version == 0 else [], version).groups
         assert finished == []  # 16 tokens in segments of 3, restarted at each new version
         assert manager.totals["num_regenerated"] == 2 * 8
+        assert manager.totals["num_regenerated_tokens"] == 2 * 8 * 3
         for s in flatten(manager.buffer):
             assert set(s.response_versions) == {2} and s.num_regenerations == 2
             check_tokens(s, seeds)
@@ -201,11 +204,11 @@ def test_stale_partial_samples_are_regenerated_not_mixed():
         assert len(finished) == 2 and all(len(set(s.response_versions)) == 1 for s in flatten(finished))
 
 
-def test_staleness_cap_holds_for_finished_samples_waiting_for_their_group():
+def test_hard_cap_holds_for_finished_samples_waiting_for_their_group():
     """A sample that finished early waits for its partial sibling; when the group is returned no
-    token in it (the early sample's included) may be more than max_staleness versions old."""
+    token in it (the early sample's included) may be more than max_group_staleness versions old."""
     with fake_servers(1) as (urls, _), client_for(urls) as client:
-        cfg = PartialRolloutConfig(group_size=2, max_response_tokens=6, segment_tokens=3, max_staleness=1,
+        cfg = PartialRolloutConfig(group_size=2, max_response_tokens=6, segment_tokens=3, max_group_staleness=1,
                                    sampling=SamplingConfig(ignore_eos=True))
         manager = PartialRolloutManager(client, cfg)
         manager.step(prompts(1), 0).groups  # both samples: 3 tokens of version 0, partial
@@ -217,7 +220,7 @@ def test_staleness_cap_holds_for_finished_samples_waiting_for_their_group():
             groups += manager.step([], version).groups
         assert len(groups) == 1
         for s in groups[0].samples:
-            assert 3 - min(s.response_versions) <= cfg.max_staleness, s.response_versions
+            assert 3 - min(s.response_versions) <= cfg.max_group_staleness, s.response_versions
             assert s.num_regenerations == 1  # the group restarted together at version 2
         assert manager.totals["num_regenerated"] == 2
 
@@ -334,10 +337,12 @@ def test_router_generation_with_control_calls_to_each_worker():
                 client.continue_generation()
 
 
-def test_producer_runs_ahead_and_regenerates_rounds_too_stale_to_train():
-    """RolloutProducer(ahead=2) keeps two rounds ready beyond the one the trainer asked for; a round
-    whose groups are more than max_staleness versions behind when the trainer takes it is not
-    trained: its groups go back into the buffer, reset, and come back under the new weights."""
+def test_producer_runs_ahead_and_hands_rounds_over_as_they_are():
+    """RolloutProducer(ahead=2) keeps two rounds ready beyond the one the trainer asked for, labels
+    new rounds with the version the servers serve (`served_version`), and hands every finished group
+    over as it is: staleness is judged per token when it is trained (the driver's `mask_stale_tokens`),
+    never by sending a finished group back."""
+    from megatron_bapo.rollout.dynamic_sampling import rollout_round
     from megatron_bapo.rollout.producer import RolloutProducer
 
     with fake_servers(1) as (urls, _), client_for(urls) as client:
@@ -346,10 +351,11 @@ def test_producer_runs_ahead_and_regenerates_rounds_too_stale_to_train():
         manager = PartialRolloutManager(client, cfg)
         todo = prompts(8)
         served = [0]  # what the servers serve (the server pool's version in the trainer)
-        producer = RolloutProducer(client, manager, lambda: [todo.pop(0)], ahead=2, served_version=lambda: served[0])
+        producer = RolloutProducer(client, manager, rollout_round(manager, lambda: [todo.pop(0)]), ahead=2,
+                                   served_version=lambda: served[0])
         client.update_weights_from_disk("ckpt/a0", 0)
         producer.start()
-        first, _ = producer.next(0)
+        first, _ = producer.next()
         assert [g.prompt.index for g in first.groups] == [0]
         deadline = time.monotonic() + 30
         while producer.produced < 3:  # rounds 2 and 3 run ahead of the trainer
@@ -359,14 +365,14 @@ def test_producer_runs_ahead_and_regenerates_rounds_too_stale_to_train():
         assert producer.produced == 3  # and no further: pacing holds it at two ahead
         client.update_weights_from_disk("ckpt/a5", 5)
         served[0] = 5
-        second, _ = producer.next(5)  # generated at version 0: 5 versions old > max_staleness 1
-        assert second.groups == [] and [p.index for p in second.prompts] == [1]
-        assert manager.totals["num_regenerated"] == 2
+        second, _ = producer.next()  # generated at version 0: handed over as it is
+        assert [g.prompt.index for g in second.groups] == [1] and [p.index for p in second.prompts] == [1]
+        assert {v for s in flatten(second.groups) for v in s.response_versions} == {0}
         seen = {}
         for _ in range(4):
-            done, _ = producer.next(5)
+            done, _ = producer.next()
             for g in done.groups:
                 seen[g.prompt.index] = {v for s in g.samples for v in s.response_versions}
         producer.stop()
-    assert seen[1] == {5}  # the stale group was regenerated under the new weights and trained later
-    assert all(5 - min(vs) <= cfg.max_staleness for vs in seen.values())  # nothing trained too stale
+    assert manager.totals["num_regenerated"] == 0
+    assert seen[2] == {0} and seen[3] == seen[4] == seen[5] == {5}  # made ahead at 0; started after the update: 5

@@ -100,3 +100,17 @@ def test_sync_fields_reach_the_weight_group(tiny_hf_dir, tmp_path):
             assert pool._sender.timeout_s == 45 and pool._sender.master_port > 0 and pool.version == 1
         finally:
             pool.close()
+
+
+def test_builtin_server_fields_reach_the_servers(tiny_hf_dir, tmp_path):
+    """`rollout.builtin_server_decode_delay_ms` (a slow server on a CPU) reaches the built-in servers
+    the pool starts, as `--decode-delay-ms`; their `/server_info` reports it."""
+    rollout = RolloutConfig(builtin_server_decode_delay_ms=3.5, client=RolloutClientConfig(health_timeout_s=120))
+    pool = ServerPool(rollout, model_path=str(tiny_hf_dir), seed=0, log_dir=tmp_path / "logs",
+                      state_path=tmp_path / "servers.json")
+    pool.start()
+    try:
+        infos = pool.client.run(pool.client.aget_server_info())
+        assert [info["decode_delay_ms"] for info in infos.values()] == [3.5]
+    finally:
+        pool.close()

@@ -209,9 +209,10 @@ def test_impossible_replies_are_retried_counted_never_trained_then_stop_the_run(
 
 def test_a_run_whose_servers_stay_on_an_old_version_stops_with_the_reason(assets, tmp_path, tiny_hf_dir):
     """The progress watchdog, with its derived default: servers that keep reporting version 0 (as a
-    restarted server serving the base model did) make every finished group too stale to train, so no
-    update is made after the first ones. The run stops after `2 x (2 segments + 0 ahead) + 2 = 6`
-    such steps with the reason, instead of running to its end and exiting 0."""
+    restarted server serving the base model did) make every token too stale to train once the trainer
+    is more than rollout.max_staleness (2) versions ahead, so no update is made after the first ones.
+    The run stops after `2 x (2 segments + 0 ahead) + 2 = 6` such steps with the reason, instead of
+    running to its end and exiting 0."""
     def stuck(path, request, reply):
         if path == "/generate":
             meta = reply["meta_info"]
@@ -234,8 +235,8 @@ def test_a_run_whose_servers_stay_on_an_old_version_stops_with_the_reason(assets
     assert proc.returncode == 2, log[-4000:]
     last = last_line(log)
     assert re.match(r"progress error: no optimizer update in 6 consecutive steps \((\d+)-(\d+); "
-                    r"trainer.max_steps_without_update=6\), so the run cannot learn: step \d+: \d+ stale sample\(s\) "
-                    r"regenerated", last), last
+                    r"trainer.max_steps_without_update=6\), so the run cannot learn: step \d+: all \d+ token\(s\) too "
+                    r"stale to train \(rollout.max_staleness\)", last), last
     steps = [r["step"] for r in read_jsonl_metrics(out / "tb") if "timing/step_s" in r]
     assert steps[-1] < 20 and "Traceback" not in log
 

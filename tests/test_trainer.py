@@ -23,6 +23,8 @@ EXPECTED_TAGS = [
     "actor/clipfrac_pos", "actor/clipfrac_neg", "actor/entropy", "actor/kl", "actor/grad_norm",
     "actor/pos_token_frac", "rollout/reward_mean", "rollout/accuracy", "rollout/response_len_mean",
     "rollout/buffer_groups", "staleness/mean", "timing/rollout_s", "timing/train_s", "timing/sync_s",
+    # What the rollout driver costs rank 0's step: its own time, and its thread's CPU next to training.
+    "timing/driver_s", "timing/driver_thread_cpu_s",
 ]
 
 

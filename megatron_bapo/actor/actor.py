@@ -1,4 +1,4 @@
-"""The Megatron actor: builds the model/optimizer and runs BAPO optimizer steps.
+"""The Megatron actor: BAPO optimizer steps on a model built by `actor.build`.
 
 One `train_step(batch)` = `ppo_epochs` x `n_minibatches` optimizer steps. First, with
 `old_logprobs: recompute`, one forward-only pass over the whole batch with the step's starting
@@ -6,8 +6,10 @@ weights: the old policy's log-probs, the importance corrections (`algorithms.imp
 `mismatch/*` metrics (`actor.mismatch`). Then per mini-batch:
   1. (search_scope "minibatch") forward-only pass over the mini-batch for the current log-probs
      (the first step reuses the recompute pass: the same weights, the same forward);
-  2. `search_clip_bounds` on the last pipeline stage over the DP x CP group (one collective);
-  3. megatron's `get_forward_backward_func()` over token-budget micro-batches with `policy_loss`;
+  2. the bound search (`search_clip_bounds`, or the balance of `actor.policy_loss`'s trust region:
+     `algorithms.objective`) on the last pipeline stage over the DP x CP group (one collective); a
+     non-finite result is a flag reduced over the pipeline group, and every stage skips together;
+  3. megatron's `get_forward_backward_func()` over token-budget micro-batches with the policy loss;
   4. grad norm; a non-finite one skips the step on every rank; else optimizer + LR schedule step.
 The ratio's reference is the behavior log-probs (`old_logprobs: rollout`; the first step's loss
 forward then also measures the mismatch) or the recomputed ones. The per-step inputs of the loss
@@ -16,7 +18,8 @@ entries of the step's micro-batches) are passed down explicitly.
 
 A step trains on this rank's slice of the batch (`actor.scatter`: its DP rank's micro-batches, its
 context-parallel chunks, its pipeline stage's keys), cut here from the global batch or received from
-the trainer's rank 0. Micro-batches are packed (THD) or padded by `actor.layout`; log-probs and
+the trainer's rank 0. The model passes are `actor.passes`, the optimizer step `actor.optimizer_step`.
+Micro-batches are packed (THD) or padded by `actor.layout`; log-probs and
 entropy are those of the sampling distribution softmax(logits / T), T being the rollout temperature
 the batch carries, passed explicitly down to the loss. Every tensor a collective over a device
 (NCCL) group carries lives on `Actor.device` (docs/parallelism.md).
@@ -44,27 +47,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_bapo.actor import moe
+from megatron_bapo.actor.build import build_actor
 from megatron_bapo.actor.config import ActorConfig
 from megatron_bapo.actor.errors import SkippedStepsError
-from megatron_bapo.actor.layout import POSITION_KEYS, MicroBatchLayout, local_position_ids
-from megatron_bapo.actor.logprobs import vocab_parallel_logprobs
 from megatron_bapo.actor.metrics import MetricSums, acc_keys, average_steps
 from megatron_bapo.actor.mismatch import BUCKETS, FINAL_KEYS, MismatchSums, mismatch_metrics, warn_if_large
 from megatron_bapo.actor.old_policy import recomputed_entries
-from megatron_bapo.actor.scatter import (
-    BatchSpec,
-    MiniBatchWork,
-    PreparedBatch,
-    RankBatch,
-    RankCoords,
-    check_batch,
-    local_microbatches,
-    plan,
-)
-from megatron_bapo.algorithms import clamped_log_ratio, policy_loss, search_clip_bounds
-from megatron_bapo.models.builder import build_gpt_model
-from megatron_bapo.models.layer_spec import describe_attention, resolve_layer_spec
-from megatron_bapo.models.moe import routing_tapes
+from megatron_bapo.actor.optimizer_step import grad_norm_or_skip, step_with_norm
+from megatron_bapo.actor.passes import ModelPasses
+from megatron_bapo.actor.scatter import BatchSpec, MiniBatchWork, PreparedBatch, RankBatch, RankCoords
 from megatron_bapo.models.parallel import ParallelGroups, initialize_model_parallel
 
 logger = logging.getLogger(__name__)
@@ -80,10 +71,11 @@ class StepInputs:
     denominator: float
     """Aggregation denominator over the loss-token count (`MiniBatchWork.denominator`)."""
     bounds: Optional[tuple[float, float]] = None
-    """(c_low, c_high) of the step; None: searched per micro-batch inside the loss (search_scope microbatch)."""
+    """(c_low, c_high) of the step (the policy loss's (lower, upper) trust-region parameters); None:
+    searched per micro-batch inside the loss (search_scope microbatch)."""
 
 
-class Actor:
+class Actor(ModelPasses):
     """Megatron-core policy model under TP/PP/CP/DP with BAPO updates.
 
     Attributes used by other components: `model` (list of DDP-wrapped model chunks), `parallel`
@@ -91,75 +83,14 @@ class Actor:
     """
 
     def __init__(self, config: ActorConfig, hf_config: Any, *, groups: Optional[ParallelGroups] = None) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
         self.config = config
         self.hf_config = hf_config
         self.parallel = groups or initialize_model_parallel(config.parallel, seed=config.seed)
-        pc = config.parallel
-        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.distributed_optimizer = config.use_distributed_optimizer
-        torch.manual_seed(config.seed)  # identical initial weights on every DP rank
-        # Micro-batches have different shapes (token budget); PP must then exchange shapes.
-        # (megatron rejects variable lengths with the default MoE dispatcher even for dense models.)
-        overrides = dict(calculate_per_token_loss=True, sequence_parallel=pc.sequence_parallel,
-                         **config.recompute_overrides(), **moe.config_overrides(config, hf_config))
-        if pc.pp > 1 and not pc.vpp:
-            # Interleaved schedules exchange one fixed shape instead (`BatchSpec.common_shape` pads to it).
-            overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
-        spec = resolve_layer_spec(config.layer_spec)
-        chunks = [
-            build_gpt_model(hf_config, dtype=dtype, vp_stage=stage if pc.vpp else None, use_te=spec.use_te,
-                            vocab_divisible_by=config.vocab_divisible_by, config_overrides=overrides)
-            for stage in range(pc.vpp or 1)
-        ]
-        fused = sorted(k.replace("_fusion", "") for k, v in vars(chunks[0].config).items()
-                       if k.endswith("_fusion") and v is True)
-        logger.info("model: %s layer spec (%s); %s; fusions: %s", "transformer_engine" if spec.use_te else "local",
-                    spec.reason, describe_attention(chunks[0].config, spec.use_te), ", ".join(fused) or "none")
-        self.hf_vocab_size = chunks[0].hf_vocab_size
-        self.routing_tapes = moe.setup_tapes(chunks, replay=config.routing_replay)
-        self.moe_shape = moe.moe_shape(chunks)
-        self.layout = MicroBatchLayout(
-            packed=config.packing, cp_size=self.parallel.cp_size, cp_rank=self.parallel.cp_rank,
-            sp_size=pc.tp if pc.sequence_parallel else 1,
-        )
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=self.distributed_optimizer,
-            check_for_nan_in_grad=False,  # a non-finite grad norm skips the step instead (below)
-        )
-        self.model = [
-            DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
-            for i, c in enumerate(chunks)
-        ]
-        # Each wrapped chunk's router tapes, found once (the forward step feeds them every micro-batch).
-        self.chunk_tapes = {id(m): routing_tapes(m) for m in self.model}
-        mcfg = self.model[0].config
-        mcfg.finalize_model_grads_func = finalize_model_grads
-        mcfg.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
-        oc = config.optim
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer=oc.name, lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay,
-                adam_beta1=oc.adam_beta1, adam_beta2=oc.adam_beta2, adam_eps=oc.adam_eps,
-                sgd_momentum=oc.sgd_momentum, clip_grad=oc.clip_grad, bf16=dtype == torch.bfloat16,
-                params_dtype=dtype, use_distributed_optimizer=self.distributed_optimizer,
-            ),
-            self.model,
-        )
-        decay_steps = oc.decay_steps if oc.decay_style != "constant" else max(oc.warmup_steps + 1, 1)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if oc.warmup_steps else oc.lr, max_lr=oc.lr, min_lr=oc.min_lr,
-            lr_warmup_steps=oc.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=oc.decay_style,
-            start_wd=oc.weight_decay, end_wd=oc.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
-            # On resume the config's schedule wins over the checkpoint's (a changed actor.optim.lr is
-            # applied at the saved step count, megatron_bapo.resume_policy); megatron's default keeps the saved one.
-            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
-        )
+        built = build_actor(config, hf_config, self.parallel)  # model chunks, DDP, optimizer, schedule
+        self.model, self.optimizer, self.scheduler = built.model, built.optimizer, built.scheduler
+        self.layout, self.hf_vocab_size, self.moe_shape = built.layout, built.hf_vocab_size, built.moe_shape
+        self.routing_tapes, self.chunk_tapes = built.routing_tapes, built.chunk_tapes
         self.num_updates = 0
         self.num_skipped_steps = 0
         self.phase_times = {"recompute": 0.0, "search": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
@@ -169,10 +100,6 @@ class Actor:
         differ across ranks, unlike the returned metrics)."""
         self.mismatch_checked = False
         """The first update's mismatch was checked against `mismatch.warn_kl` (warned at most once)."""
-        logger.info("actor built: %s parameters on this rank, %s, %s micro-batches, %s optimizer",
-                    f"{sum(p.numel() for m in self.model for p in m.parameters()):,}", config.dtype,
-                    "packed" if config.packing else "padded",
-                    "distributed" if self.distributed_optimizer else "plain")
 
     # ------------------------------------------------------------------ batches
     @property
@@ -184,6 +111,7 @@ class Actor:
             dp_size=self.parallel.dp_size, max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
             n_minibatches=cfg.n_minibatches, ppo_epochs=cfg.ppo_epochs, loss_agg=cfg.loss_agg,
             microbatch_multiple=pc.pp if pc.vpp else 1, common_shape=bool(pc.vpp), moe=self.moe_shape is not None,
+            overlong_filter=cfg.overlong_filter,
         )
 
     @property
@@ -197,90 +125,6 @@ class Actor:
     def device(self) -> torch.device:
         """Where the model's parameters live: every tensor a device-group collective carries goes here."""
         return next(self.model[0].parameters()).device
-
-    # ------------------------------------------------------------------ model passes
-    def _forward_step(self, loss_fn, data_iterator, model):
-        mb = next(data_iterator)
-        dev = self.device
-        packed = None
-        if "cu_seqlens" in mb:
-            from megatron.core.packed_seq_params import PackedSeqParams
-
-            cu = mb["cu_seqlens"].to(dev)
-            n = int(mb["max_seqlen"])
-            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                                     cu_seqlens_kv_padded=cu, max_seqlen_q=n, max_seqlen_kv=n)
-        ids = positions = None
-        if "input_ids" in mb:  # the first pipeline stage; later stages take the previous stage's output
-            ids = mb["input_ids"].to(dev).long()
-            positions = local_position_ids(mb, self.layout).to(dev)
-        if self.moe_shape is not None:
-            moe.push_targets(self.chunk_tapes[id(model)], mb)  # every stage: its own layers' routers
-        logits = model(ids, positions, None, packed_seq_params=packed)
-        return logits, partial(loss_fn, mb)
-
-    def _logprobs(self, mb: dict, logits: torch.Tensor, temperature: float):
-        return vocab_parallel_logprobs(
-            logits, mb["labels"].to(logits.device), tp_group=self.parallel.tp_group, vocab_size=self.hf_vocab_size,
-            chunk_size=self.config.logprob_chunk_size, with_entropy=True, temperature=temperature,
-        )
-
-    def _run(self, mbs: list[dict], loss_fn, *, forward_only: bool) -> list:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        iters = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
-        moe.begin_pass(self.routing_tapes)
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn),
-            data_iterator=iters,
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=len(mbs),
-            # megatron's schedules take the GLOBAL sequence length and divide it by CP (and SP) themselves.
-            seq_length=max(mb["shape"][1] for mb in mbs) * self.parallel.cp_size,
-            micro_batch_size=max(mb["shape"][0] for mb in mbs),
-            forward_only=forward_only,
-        )
-
-    def _eval_loss(self, temperature: float, mb: dict, logits: torch.Tensor):
-        lp, ent = self._logprobs(mb, logits, temperature)
-        one = torch.ones((), dtype=torch.int, device=logits.device)
-        return torch.zeros((), device=logits.device), one, {"lp": lp.detach(), "ent": ent.detach()}
-
-    def _forward_only(self, mbs: list[dict], temperature: float) -> list:
-        for m in self.model:
-            m.eval()
-        with torch.no_grad():
-            return self._run(mbs, partial(self._eval_loss, temperature), forward_only=True)
-
-    # ------------------------------------------------------------------ public API
-    @torch.no_grad()
-    def compute_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Current log-probs `[B, T]` aligned to the token (0 at position 0 and on padding), at the
-        batch's `temperature` (default 1). Every rank holds `batch`; collective over all ranks;
-        identical on every rank."""
-        temperature = check_batch(batch, ("input_ids", "attention_mask"))
-        data = {"input_ids": batch["input_ids"].long(), "attention_mask": batch["attention_mask"].long()}
-        if moe.ROUTED_EXPERTS in batch:
-            data[moe.ROUTED_EXPERTS] = batch[moe.ROUTED_EXPERTS]
-        for key in POSITION_KEYS:
-            data[key] = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-        spec, me = self.batch_spec, self.coords
-        rows_plan = plan([int(n) for n in data["attention_mask"].sum(-1)], spec)
-        mbs = local_microbatches(data, rows_plan, spec, me.dp_rank, me.cp_rank)
-        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
-        for mb, res in zip(mbs, self._forward_only(mbs, temperature)):
-            keep = mb["row"] >= 0
-            out[mb["row"][keep], mb["col"][keep]] = res["lp"].double().cpu()[keep]
-        return self._share_from_last_stage(out.to(self.device)).float()
-
-    def _share_from_last_stage(self, t: torch.Tensor, reduce_dp: bool = True) -> torch.Tensor:
-        """Sum a device tensor over DP x CP on the last stage, broadcast it to the other stages; to host."""
-        if self.parallel.is_last_stage and reduce_dp and dist.get_world_size(self.parallel.dp_cp_group) > 1:
-            dist.all_reduce(t, group=self.parallel.dp_cp_group)
-        if self.parallel.config.pp > 1:
-            src = dist.get_global_rank(self.parallel.pp_group, self.parallel.config.pp - 1)
-            dist.broadcast(t, src=src, group=self.parallel.pp_group)
-        return t.cpu()
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: Union[dict[str, Any], RankBatch], *,
@@ -356,13 +200,23 @@ class Actor:
         return g if dist.get_world_size(g) > 1 else None
 
     def _search(self, lp, ref, beh, adv, mask, weights, acc: MetricSums):
-        """Bounds for the ratio exp(lp - ref) (ref: behavior or recomputed old log-probs), each token's
-        contribution weighted by its importance correction as in the loss."""
-        ratio = torch.exp(clamped_log_ratio(lp.detach().float(), ref) * mask)
-        res = search_clip_bounds(ratio, adv, mask, self.config.bapo, rollout_logprobs=beh, token_weights=weights,
-                                 group=self._search_group())
+        """The step's trust-region parameters of `actor.policy_loss` (BAPO's bounds for ppo_clip) for the
+        ratio exp(lp - ref) (ref: behavior or recomputed old log-probs), each token's contribution
+        weighted by its importance correction as in the loss."""
+        # Not raised here: only this (last) stage knows; `_minibatch_step` agrees with the other stages.
+        res = self.config.objective.search(lp.detach().float(), ref, adv, mask, rollout_logprobs=beh,
+                                           token_weights=weights, group=self._search_group(), raise_nonfinite=False)
         acc.add_search(res.c_low, res.c_high, res.rho_initial, res.rho, res.num_steps)
         return res
+
+    def _any_stage(self, flag: bool) -> bool:
+        """`flag` of any pipeline stage (a MAX over the pipeline group, on the device its backend
+        carries): a decision only the last stage can make, taken by every stage together."""
+        if dist.get_world_size(self.parallel.pp_group) == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.parallel.pp_group)
+        return bool(t.item() > 0)
 
     def _train_loss(self, step: StepInputs, acc: MetricSums, measure: Optional[MismatchSums], mb: dict,
                     logits: torch.Tensor):
@@ -377,9 +231,9 @@ class Actor:
         if bounds is None:  # search_scope "microbatch": one collective per micro-batch, same count on all ranks
             res = self._search(lp, ref, beh, adv, mask, is_weights, acc)
             bounds = (res.c_low, res.c_high)
-        loss, stats = policy_loss(
-            lp, ref, adv, mask, bounds[0], bounds[1], dual_clip=self.config.bapo.dual_clip,
-            token_weights=weights if is_weights is None else weights * is_weights, denominator=step.denominator,
+        loss, stats = self.config.objective.loss(
+            lp, ref, adv, mask, bounds, token_weights=weights if is_weights is None else weights * is_weights,
+            denominator=step.denominator,
         )
         maskd = mask.double()
         stats["sum_entropy"] = (ent.detach().double() * maskd).sum()
@@ -420,6 +274,7 @@ class Actor:
             mbs = [dict(mb, **extra) for mb, extra in zip(mbs, old)]
         acc = MetricSums(self.device)
         bounds = None
+        nonfinite = 0
         t0 = time.perf_counter()
         if self.config.search_scope == "minibatch":
             if reuse_search:
@@ -440,7 +295,15 @@ class Actor:
                 ref = cat("old_logprobs") if old else beh
                 weights = cat("is_weights") if old else None
                 res = self._search(lp, ref, beh, cat("advantages"), torch.ones_like(lp), weights, acc)
-                bounds = (res.c_low, res.c_high)
+                bounds, nonfinite = (res.c_low, res.c_high), res.num_nonfinite
+            # Non-finite current log-probs (the model's forward, not the batch: that was checked where
+            # it was prepared): every stage skips together, or the others would wait for the last one
+            # in the forward-backward below until the collective timeout.
+            if self._any_stage(nonfinite > 0):
+                self.phase_times["search"] += time.perf_counter() - t0
+                self._skip("non-finite current log-probs in the bound search's pass"
+                           + (f" ({nonfinite} loss tokens)" if nonfinite else ""))
+                return self._skipped_metrics()
         t1 = time.perf_counter()  # the search's result is on the host: the pass has finished
         for m in self.model:
             m.train()
@@ -471,40 +334,15 @@ class Actor:
         return metrics
 
     def _grad_norm_or_skip(self, loss: float) -> Optional[float]:
-        """The global grad norm, or None (step skipped and counted) when it or the loss is not finite.
-
-        These are the first two stages of megatron's `optimizer.step()` (`prepare_grads`, then
-        `get_grad_norm`: one all-reduce over the grad-stats group); `_optimizer_step` runs the rest,
-        so neither runs twice. Every rank decides the same: the norm is reduced over the
-        model-parallel group (and DP for the distributed optimizer), DP replicas hold all-reduced
-        gradients, and the flag is all-reduced over all actor ranks anyway, so no rank steps while
-        another skips.
-        """
-        found_inf = bool(self.optimizer.prepare_grads())
-        norm = float(self.optimizer.get_grad_norm() or 0.0)
-        flag = torch.tensor([0.0 if (not found_inf and math.isfinite(norm) and math.isfinite(loss)) else 1.0],
-                            device=self.device)
-        if dist.get_world_size(self.parallel.world_group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.parallel.world_group)
-        if float(flag) == 0.0:
-            return norm
-        self.optimizer.zero_grad()
-        self._skip(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} (grad norm {norm})")
-        return None
+        """The global grad norm, or None (step skipped on every rank, counted) when it or the loss is
+        not finite (`actor.optimizer_step`: megatron's step in two halves)."""
+        norm, seen = grad_norm_or_skip(self.optimizer, loss, self.parallel.world_group, self.device)
+        if norm is None:
+            self._skip(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} (grad norm {seen})")
+        return norm
 
     def _optimizer_step(self, grad_norm: float) -> None:
-        """The rest of megatron's `ChainedOptimizer.step()` (megatron/core/optimizer/optimizer.py):
-        clip every optimizer's gradients by the norm already computed, then `step_with_ready_grads`."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            params = opt.get_parameters()
-            if opt.config.clip_grad > 0.0 and params and not getattr(opt, "is_stub_optimizer", False):
-                clip_grad_by_total_norm_fp32(
-                    params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
-                    use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-                )
-        self.optimizer.step_with_ready_grads()
+        step_with_norm(self.optimizer, grad_norm)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory) -> "Path":

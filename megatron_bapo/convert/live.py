@@ -193,9 +193,11 @@ def iter_hf_tensors(
     expert-parallel groups) must iterate to the end, in step. TP parts are all-gathered over
     `tp_group` (expert parts over `etp_group`); each expert is broadcast from the expert-parallel
     rank holding it to its `ep_group`; across pipeline stages `gather_to` decides who gets what:
-    "all" (broadcast: every rank yields every tensor), "first" (stage 0 yields every tensor, other
-    stages send theirs and yield nothing), "local" (each stage yields only its own tensors, e.g. for
-    per-stage NCCL weight sync). Order is HF order (embedding, layers with their experts, norm,
+    "all" (broadcast: every rank yields every tensor), "first" (TP rank 0 of stage 0 yields every
+    tensor; of every other stage only TP rank 0 sends its stage's tensors to it, once, and no other
+    rank yields anything: the TP peers hold the same gathered tensors, and sending them too would
+    move every later stage's weights TP times per sync), "local" (each stage yields only its own
+    tensors, e.g. for per-stage NCCL weight sync). Order is HF order (embedding, layers with their experts, norm,
     head). Tensors are on the parameters' device, cast to `dtype` when given. A tensor larger than
     `bucket_bytes` is alone in its bucket. Different DP/CP replicas hold identical weights; run it on
     one replica (with expert parallelism: `ParallelGroups.exports_weights`) or on all.
@@ -206,7 +208,7 @@ def iter_hf_tensors(
         raise ValueError(f"iter_hf_tensors: bucket_bytes must be > 0, got {bucket_bytes}")
     mapping = get_mapping(hf_config)
     info = model_shape_info(model_chunks, hf_config)
-    tp_group, _, tp_size = _tp(tp_group)
+    tp_group, tp_rank, tp_size = _tp(tp_group)
     pp_group = pp_group if pp_group is not None else current_groups().pp_group
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     device = next(unwrap(model_chunks[0]).parameters()).device  # receive buffers: where the weights live
@@ -278,21 +280,24 @@ def iter_hf_tensors(
         tensors: Optional[list[torch.Tensor]] = None
         if owner == pp_rank:
             tensors = gathered_hf(key)
-        if pp_size > 1 and gather_to != "local":
-            wants = gather_to == "all" or pp_rank == 0
-            if owner != pp_rank and (gather_to == "all" or (pp_rank == 0)):
-                tensors = empty_hf(key)
+        if gather_to == "first" and (pp_rank != 0 or tp_rank != 0):
+            # One sender per stage: only TP rank 0 of a later stage sends, to TP rank 0 of stage 0
+            # (ranks of one pipeline group share their TP rank, so both ends agree on who moves).
+            if pp_size > 1 and tp_rank == 0 and owner == pp_rank and owner != 0:
+                for t in tensors or []:
+                    dist.send(t, dst=dist.get_global_rank(pp_group, 0), group=pp_group)
+            continue
+        if pp_size > 1 and gather_to != "local" and owner != pp_rank:
+            tensors = empty_hf(key)
             src = dist.get_global_rank(pp_group, owner)
-            for t in tensors or []:
+            for t in tensors:
                 if gather_to == "all":
                     dist.broadcast(t, src=src, group=pp_group)
-                elif owner != 0:
-                    if pp_rank == owner:
-                        dist.send(t, dst=dist.get_global_rank(pp_group, 0), group=pp_group)
-                    elif pp_rank == 0:
-                        dist.recv(t, src=src, group=pp_group)
-            if not wants:
-                tensors = None
+                else:  # "first", on TP rank 0 of stage 0
+                    dist.recv(t, src=src, group=pp_group)
+        elif pp_size > 1 and gather_to == "all":
+            for t in tensors or []:
+                dist.broadcast(t, src=dist.get_global_rank(pp_group, owner), group=pp_group)
         named = list(zip(names, tensors or []))
         if mapping.tied_head_copy(info) and names == [EMBEDDING_HF] and named:
             embedding = named[0][1]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from megatron_bapo.rollout.types import Sample
+from megatron_bapo.rollout.types import Sample, SampleState
 
 if TYPE_CHECKING:  # torch is imported on use: the client and the stand-in server do not need it
     import torch
@@ -36,7 +36,8 @@ def build_batch(
       0 off the sampled tokens), versions (long; policy version of each sampled token, -1 elsewhere),
       advantages (float32; the sample's scalar advantage on its response tokens, 0 elsewhere),
       only when `advantages` (one value per sample) is given;
-    and `[B]`: prompt_lengths, response_lengths (long), rewards (float32, when given).
+    and `[B]`: prompt_lengths, response_lengths (long), truncated (bool: the response hit its token
+    limit, `SampleState.TRUNCATED`), rewards (float32, when given).
     With `routed_experts_shape = (num_layers, top_k)` (a mixture of experts): routed_experts (int16
     `[B, T, num_layers, top_k]`, each sample's recorded routing at its positions, -1 where none).
     """
@@ -77,7 +78,8 @@ def build_batch(
         prompt_lengths[b], response_lengths[b] = p, r
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
            "behavior_logprobs": logprobs, "versions": versions, "prompt_lengths": prompt_lengths,
-           "response_lengths": response_lengths}
+           "response_lengths": response_lengths,
+           "truncated": torch.tensor([s.state is SampleState.TRUNCATED for s in samples], dtype=torch.bool)}
     if advantages is not None:
         adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
         if adv.numel() != batch_size:
@@ -111,3 +113,23 @@ def _routed_experts(samples: Sequence[Sample], length: int, shape: tuple[int, in
                              f"{len(s.prompt_ids) + len(s.response_ids)} tokens")
         out[b, :rows.shape[0]] = torch.from_numpy(rows.copy())
     return out
+
+
+def mask_stale_tokens(batch: dict[str, "torch.Tensor"], current_version: int,
+                      max_staleness: Optional[int]) -> dict[str, float]:
+    """Staleness judged per token at training time: response tokens generated more than
+    `max_staleness` versions before `current_version` (the weights about to train them) leave the
+    loss (`loss_mask` and `advantages` set to 0, in place). Everything downstream that reads the loss
+    mask (aggregation, BAPO's bound search, the loss, the staleness metrics) then sees exactly the
+    tokens that train. Returns `staleness/num_masked_tokens` and `staleness/frac_masked_tokens`."""
+    loss = batch["loss_mask"] > 0
+    total = int(loss.sum())
+    if max_staleness is None:
+        return {"staleness/num_masked_tokens": 0.0, "staleness/frac_masked_tokens": 0.0}
+    stale = loss & (batch["versions"] < current_version - max_staleness)
+    num = int(stale.sum())
+    if num:
+        batch["loss_mask"][stale] = 0.0
+        if "advantages" in batch:
+            batch["advantages"][stale] = 0.0
+    return {"staleness/num_masked_tokens": float(num), "staleness/frac_masked_tokens": num / total if total else 0.0}

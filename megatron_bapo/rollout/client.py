@@ -5,9 +5,14 @@ Why this shape:
   would make them unreachable by `/abort_request`.
 - Request ids are fixed-length uuid hex: the scheduler aborts every rid that STARTS WITH the
   given one, so variable-length ids could abort their neighbours.
-- All requests go out at once up to `max_concurrency` (one semaphore over the pool) and each
-  goes to the healthy server with the fewest requests in flight, so a slow server or a slow
-  request never holds back the others.
+- All requests go out at once up to the concurrency the servers' KV cache holds (`concurrency.py`:
+  per server from `/server_info`, unless `max_concurrency` is set) and each goes to the healthy
+  server with the most room left, so a slow server or a slow request never holds back the others.
+- A pause for a weight update is also the client's: under an "abort" pause, requests still waiting
+  in the client are not sent (they come back aborted with no tokens and go out as fresh segments on
+  the new weights), and requests the paused servers held without running are cut before
+  continue; under "retract" / "in_place" new requests wait in the client until continue. Nothing
+  runs a whole segment into a paused server (control.py).
 - A request that fails (connection error, timeout, 5xx, a reply that fails the checks of
   `protocol.parse_generate_reply`: impossible log-probs, token counts, ids or versions) is retried with
   exponential backoff on another server; the failing server gets no new work for
@@ -35,6 +40,7 @@ from typing import Any, Awaitable, Optional, Sequence, TypeVar
 
 import aiohttp
 
+from megatron_bapo.rollout import concurrency
 from megatron_bapo.rollout.config import SAMPLING_KEYS, RolloutClientConfig
 from megatron_bapo.rollout.control import ControlMixin
 from megatron_bapo.rollout.errors import ProtocolError, RequestRejected, RolloutError
@@ -72,7 +78,7 @@ class _LoopThread:
             self.loop.close()
 
 
-class RolloutClient(ControlMixin):
+class RolloutClient(ControlMixin, concurrency.ConcurrencyMixin):
     """`await client.agenerate(ids, params)` in a loop, or sync control calls from the trainer.
 
     Use as a context manager or call `close()`; `async` users in their own loop call `aclose()`.
@@ -101,8 +107,25 @@ class RolloutClient(ControlMixin):
         attempt (`control.CLEANUP_TIMEOUT_S`), so teardown never waits on a dead server. Set from
         any thread (a signal handler included)."""
         self.stats: dict[str, int] = {"num_requests": 0, "num_retries": 0, "num_rejected": 0,
-                                      "num_aborted_before_send": 0, "num_bad_replies": 0}
-        """`num_bad_replies`: 200 replies refused by `protocol.parse_generate_reply` (retried elsewhere)."""
+                                      "num_aborted_before_send": 0, "num_bad_replies": 0, "num_cut_by_pause": 0,
+                                      "num_abort_pauses": 0}
+        """`num_bad_replies`: 200 replies refused by `protocol.parse_generate_reply` (retried elsewhere);
+        `num_aborted_before_send`: requests an abort or an "abort" pause found still waiting in the client;
+        `num_cut_by_pause`: requests a paused server held without running them, cut before continue;
+        `num_abort_pauses`: "abort" pauses so far (a round they cut short may go on: `PartialRolloutManager`)."""
+        # Pauses (control.py): the abort epoch an "abort" pause began at (requests sent before it and
+        # still unanswered at continue were held, not run), and the hold of the other modes.
+        self._pause_epoch: Optional[int] = None
+        self._held = False
+        self._held_waiters: list[asyncio.Future] = []
+        self._sent: dict[str, tuple[int, asyncio.Future]] = {}  # rid -> (abort epoch when sent, its POST)
+        self._cut: set[str] = set()
+        # Concurrency (concurrency.py): per-server caps once fitted, the request size they were fitted for.
+        self.server_caps: Optional[dict[str, int]] = None
+        """Requests each server holds at once (from its `/server_info`), once fitted; None before."""
+        self._fitted_for: Optional[tuple] = None
+        self._warned_concurrency = False
+        self._fit_locks: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock]" = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ plumbing
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
@@ -123,6 +146,12 @@ class RolloutClient(ControlMixin):
         return self._background.submit(coro)
 
     @property
+    def loop_thread_id(self) -> Optional[int]:
+        """The native id of the thread running the client's loop (None before first use): where
+        rank 0's rollout work runs, next to training (`Driver` reports its CPU time per step)."""
+        return None if self._background is None else self._background.thread.native_id
+
+    @property
     def abort_epoch(self) -> int:
         """Counts `abort_all` calls: work that began at epoch e was aborted since when it differs
         (the agent loop ends a sample's round there instead of sending its next turn)."""
@@ -140,15 +169,15 @@ class RolloutClient(ControlMixin):
         delay = min(self.config.backoff_s * 2 ** (attempt - 1), self.config.backoff_max_s)
         return delay * (0.75 + 0.5 * random.random())
 
-    def _session(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
-        """The session and concurrency semaphore of the running loop (aiohttp objects are per loop)."""
+    def _session(self) -> tuple[aiohttp.ClientSession, concurrency.Slots]:
+        """The session and concurrency slots of the running loop (aiohttp objects are per loop)."""
         loop = asyncio.get_running_loop()
         state = self._per_loop.get(loop)
         if state is None or state[0].closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-            # limit=0: the semaphore caps concurrency; the pool must not queue requests behind it.
+            # limit=0: the slots cap concurrency; the pool must not queue requests behind it.
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
-            state = (session, asyncio.Semaphore(self.config.max_concurrency))
+            state = (session, concurrency.Slots(lambda: self.max_in_flight))
             self._per_loop[loop] = state
         return state
 
@@ -189,7 +218,8 @@ class RolloutClient(ControlMixin):
 
     # ------------------------------------------------------------------ server choice
     def _pick_url(self, avoid: Optional[str] = None) -> str:
-        """Router if configured; else the healthy worker with the fewest requests in flight."""
+        """Router if configured; else the healthy worker with the most room left (fewest requests in
+        flight relative to its cap: `server_caps`)."""
         if self.config.router_url:
             return self.config.router_url
         now = time.monotonic()
@@ -199,7 +229,8 @@ class RolloutClient(ControlMixin):
             healthy = [u for u in healthy if u != avoid] or healthy
         if not healthy:  # every server failed recently: try the one that failed longest ago
             return min(urls, key=lambda u: self._unhealthy_until[u])
-        return min(healthy, key=lambda u: (self._in_flight[u], random.random()))
+        caps = self.server_caps or {}
+        return min(healthy, key=lambda u: (self._in_flight[u] / caps.get(u, 1), random.random()))
 
     def _mark_unhealthy(self, url: str, reason: str) -> None:
         """No new requests to `url` for a cooldown; one WARNING when it turns unhealthy (a dead server
@@ -233,7 +264,9 @@ class RolloutClient(ControlMixin):
             raise ValueError(f"sampling_params has unknown key(s) {bad}; allowed: {sorted(SAMPLING_KEYS)}")
         if not input_ids:
             raise ValueError("agenerate: input_ids is empty")
-        session, semaphore = self._session()
+        if self.config.max_concurrency is None and self.server_caps is None:
+            await self._fit_lazily()
+        session, slots = self._session()
         epoch = self._abort_epoch
         payload: dict[str, Any] = {"input_ids": [int(x) for x in input_ids], "sampling_params": dict(sampling_params),
                                    "return_logprob": True}
@@ -241,21 +274,26 @@ class RolloutClient(ControlMixin):
             payload.update(return_routed_experts=True, routed_experts_start_len=int(routed_experts_start_len))
         last_url: Optional[str] = None
         last_error: Optional[BaseException] = None
-        async with semaphore:
+        async with slots:
             for attempt in range(self.config.max_retries + 1):
-                if epoch != self._abort_epoch:
-                    self.stats["num_aborted_before_send"] += 1
-                    return aborted_result(uuid.uuid4().hex, last_url or "")
                 if attempt and self.stopping:
                     break
                 if attempt:
                     self.stats["num_retries"] += 1
                     await asyncio.sleep(self._backoff(attempt))
+                # An abort, or an "abort" pause, that began while it waited for a slot ends it unsent; a
+                # request made during a pause waits for continue (it then runs on the new weights).
+                for held in (False, True):
+                    if held:
+                        await self._wait_while_held()
+                    if epoch != self._abort_epoch:
+                        self.stats["num_aborted_before_send"] += 1
+                        return aborted_result(uuid.uuid4().hex, last_url or "")
                 url = self._pick_url(avoid=last_url)
                 last_url = url
                 rid = uuid.uuid4().hex  # fresh per attempt: a retry must not collide with an in-flight id
                 try:
-                    return await self._post_generate(session, url, rid, payload)
+                    return await self._send(session, url, rid, payload)
                 except RequestRejected:
                     self.stats["num_rejected"] += 1
                     raise
@@ -270,6 +308,21 @@ class RolloutClient(ControlMixin):
         detail = str(last_error) if isinstance(last_error, ProtocolError) else repr(last_error)
         raise RolloutError(f"/generate failed after {self.config.max_retries + 1} attempts, the last on {last_url}: "
                            f"{detail}; servers failing now: {down or [last_url]}")
+
+    async def _send(self, session: aiohttp.ClientSession, url: str, rid: str, payload: dict) -> GenerateResult:
+        """`_post_generate`, cut short (an abort with no tokens) when a pause found it held unrun by a paused server."""
+        post = asyncio.ensure_future(self._post_generate(session, url, rid, payload))
+        self._sent[rid] = (self._abort_epoch, post)
+        try:
+            return await post
+        except asyncio.CancelledError:
+            if rid not in self._cut:
+                raise
+            self._cut.discard(rid)
+            self.stats["num_cut_by_pause"] += 1
+            return aborted_result(rid, url)
+        finally:
+            self._sent.pop(rid, None)
 
     async def _post_generate(self, session: aiohttp.ClientSession, url: str, rid: str, payload: dict) -> GenerateResult:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)

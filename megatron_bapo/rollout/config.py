@@ -32,8 +32,12 @@ class RolloutClientConfig:
     router_url: Optional[str] = None
     """An sglang-router: `/generate` goes there. With `urls` empty, workers are listed from the
     router (`GET /workers`, or legacy `/list_workers`) for control calls, which it does not forward."""
-    max_concurrency: int = 256
-    """Requests in flight at once over the whole pool; more wait their turn (no head-of-line block)."""
+    max_concurrency: Optional[int] = None
+    """Requests in flight at once over the whole pool; more wait their turn in the client (no
+    head-of-line block). None: per server, as many as its KV cache holds (`rollout.concurrency`:
+    `/server_info`'s `max_total_num_tokens` and context length, over the KV one request of this run
+    holds at the end of a segment). A value the servers cannot hold is kept, with one warning naming
+    the numbers."""
     request_timeout_s: float = 3600.0
     """Wall-clock limit of one `/generate` call; a timed-out call is aborted and retried elsewhere."""
     connect_timeout_s: float = 10.0
@@ -66,8 +70,11 @@ class RolloutClientConfig:
                 raise ValueError(f"RolloutClientConfig.urls: {u!r} must start with http:// or https://")
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"RolloutClientConfig.urls has duplicates: {self.urls}")
-        _positive(self, "max_concurrency", "request_timeout_s", "connect_timeout_s", "control_timeout_s",
+        _positive(self, "request_timeout_s", "connect_timeout_s", "control_timeout_s",
                   "backoff_s", "backoff_max_s", "health_timeout_s", "flush_cache_timeout_s")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"RolloutClientConfig.max_concurrency must be >= 1 or null (follow the servers), got "
+                             f"{self.max_concurrency}")
         if self.max_retries < 0:
             raise ValueError(f"RolloutClientConfig.max_retries must be >= 0, got {self.max_retries}")
         if self.unhealthy_cooldown_s < 0:
@@ -131,9 +138,19 @@ class PartialRolloutConfig:
     up before max_response_tokens is kept in the buffer and resumed in a later step. None = no
     partial rollout (a whole response per step)."""
     max_staleness: Optional[int] = 2
-    """A buffered sample whose oldest token is more than this many policy versions behind the
-    current one is regenerated from scratch instead of resumed (never silently mixed).
-    None = no cap; 0 = resume only within the same version."""
+    """What is trained, judged per token at training time: a token generated more than this many
+    policy versions before the weights that train it is masked out of the loss (and so out of BAPO's
+    bound search), counted (`staleness/num_masked_tokens`); the rest of its response trains, each
+    token against its own behavior log-prob with the importance correction `actor.old_logprobs` /
+    `actor.correction` ask for. Responses are never thrown away for it (that is
+    `max_group_staleness`). None = no cap; 0 = only tokens of the training weights."""
+    max_group_staleness: Optional[int] = None
+    """Hard cap, in versions: a buffered group whose oldest token is more than this many versions
+    behind the served weights is reset and regenerated from scratch, all its samples together
+    (`rollout/num_regenerated` samples, `rollout/num_regenerated_tokens`). It stops a response whose
+    segments keep being cut from growing ever older; a healthy run does not reach it. None: derived,
+    `max_staleness + 2 x segments per response` (`group_staleness_cap`), no cap when `max_staleness`
+    is None."""
     max_context_tokens: Optional[int] = None
     """The servers' context length. When set, a segment asks for at most
     `max_context_tokens - len(prompt + response so far)` tokens, and a sample with no room left is
@@ -164,6 +181,9 @@ class PartialRolloutConfig:
             raise ValueError(f"PartialRolloutConfig.segment_tokens must be >= 1 or null, got {self.segment_tokens}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"PartialRolloutConfig.max_staleness must be >= 0 or null, got {self.max_staleness}")
+        if self.max_group_staleness is not None and self.max_group_staleness < 0:
+            raise ValueError(f"PartialRolloutConfig.max_group_staleness must be >= 0 or null, got "
+                             f"{self.max_group_staleness}")
 
     @property
     def num_segments(self) -> int:
@@ -176,6 +196,22 @@ class PartialRolloutConfig:
         if self.segment_tokens is None:
             return self.max_response_tokens
         return min(self.segment_tokens, self.max_response_tokens)
+
+    @property
+    def group_staleness_cap(self) -> Optional[int]:
+        """`max_group_staleness`, or its derived default (None: groups are never reset for staleness)."""
+        if self.max_group_staleness is not None:
+            return self.max_group_staleness
+        if self.max_staleness is None:
+            return None
+        return self.max_staleness + 2 * self.num_segments
+
+    def kv_tokens_per_request(self, prompt_tokens: int) -> int:
+        """KV tokens one request holds, on average, when its segment ends: the segments of a
+        full-length response end at prompt + seg, ..., prompt + S seg tokens (mean prompt + seg (S + 1) / 2),
+        which sizes the client's concurrency per server (`rollout.concurrency`)."""
+        seg, num = self.segment_budget, self.num_segments
+        return int(prompt_tokens) + min(self.max_response_tokens, -(-seg * (num + 1) // 2))
 
 
 def _positive(cfg: Any, *names: str) -> None:

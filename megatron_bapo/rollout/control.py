@@ -34,7 +34,8 @@ most this long: SLURM kills 30 s after SIGTERM, and a dead server must not hold 
 
 class ControlMixin:
     """Needs `config`, `_session()`, `run()`, `_backoff()`, `_abort_epoch`, `_rid_url`, `_workers`,
-    `max_weight_version`, `stopping`."""
+    `max_weight_version`, `stopping`, and the pause state `_pause_epoch`, `_held`, `_held_waiters`, `_sent`,
+    `_cut`."""
 
     # ------------------------------------------------------------------ one request, one policy
     async def _request(self, method: str, url: str, path: str, body: Optional[dict] = None,
@@ -265,17 +266,64 @@ class ControlMixin:
 
     # ------------------------------------------------------------------ pause, health
     async def apause_generation(self, mode: Optional[str] = None) -> None:
-        """`/pause_generation` on every worker (`mode` "abort"/"retract"/"in_place" on SGLang >= 0.5.15)."""
+        """`/pause_generation` on every worker (`mode` "abort"/"retract"/"in_place" on SGLang >= 0.5.15;
+        None: the server's default, "abort").
+
+        The pause holds in the client too, so no request runs a whole segment into a paused server:
+        "abort" (and None) ends the requests in flight (the servers return their partial tokens) and
+        every request still waiting in the client comes back aborted without being sent (its sample
+        goes out again as a fresh segment, on the new weights); "retract" / "in_place" keep the
+        requests in flight running across the update. Requests made during any pause wait in the
+        client until continue.
+        """
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if mode in (None, "abort"):
+            self._abort_epoch += 1
+            self._pause_epoch = self._abort_epoch
+            self.stats["num_abort_pauses"] += 1
+        self._held = True
         body = {} if mode is None else {"mode": mode}
-        await self._each_or_raise("pause_generation", lambda u: self._expect_success(u, "/pause_generation", body))
+        try:
+            await self._each_or_raise("pause_generation", lambda u: self._expect_success(u, "/pause_generation", body))
+        except BaseException:
+            self._release_pause()
+            raise
 
     def pause_generation(self, mode: Optional[str] = None) -> None:
         self.run(self.apause_generation(mode))
 
     async def acontinue_generation(self) -> None:
-        await self._each_or_raise("continue_generation", lambda u: self._expect_success(u, "/continue_generation", {}))
+        """`/continue_generation` on every worker. After an "abort" pause, requests sent before it that
+        are still unanswered were held by the paused servers without running (the ones running came
+        back aborted): they are cut first, so none runs a whole segment on the new weights in a round
+        that should have ended (they come back aborted with no tokens, and go out again next round)."""
+        cut = [(rid, post) for rid, (epoch, post) in self._sent.items()
+               if self._pause_epoch is not None and epoch < self._pause_epoch and not post.done()]
+        for rid, post in cut:
+            self._cut.add(rid)
+            post.cancel()
+        if cut:
+            await asyncio.gather(*(post for _, post in cut), return_exceptions=True)
+        try:
+            await self._each_or_raise("continue_generation",
+                                      lambda u: self._expect_success(u, "/continue_generation", {}))
+        finally:
+            self._release_pause()
+
+    def _release_pause(self) -> None:
+        """Requests held in the client go out (or, after an "abort" pause, new ones do)."""
+        self._pause_epoch, self._held = None, False
+        waiters, self._held_waiters = self._held_waiters, []
+        for fut in waiters:
+            fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+
+    async def _wait_while_held(self) -> None:
+        """Wait while a pause holds new requests in the client."""
+        while self._held:
+            fut = asyncio.get_running_loop().create_future()
+            self._held_waiters.append(fut)
+            await fut
 
     def continue_generation(self) -> None:
         self.run(self.acontinue_generation())

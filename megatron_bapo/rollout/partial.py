@@ -3,11 +3,17 @@
 Each `step(prompts, version)` call (a round; `astep` on the client's loop) returns a `RolloutRound`:
 1. opens a group of G pending samples per new prompt (appended to the buffer);
 2. for every unfinished sample in the buffer, sends ONE segment: `input_ids = prompt + response so
-   far`, `max_new_tokens = min(segment_tokens, max_response_tokens - generated)`. A buffered
-   group holding a token more than `max_staleness` versions behind `version` (in an unfinished
-   sample, or in a finished one waiting for its siblings) is first reset and regenerated from
-   scratch, all its samples together (counted per sample), so no trained group holds a token more
-   than `max_staleness` versions old;
+   far`, `max_new_tokens = min(segment_tokens, max_response_tokens - generated)`. A response keeps
+   its tokens and their versions across segments and syncs, whatever their age: staleness is judged
+   per token when the group is trained (`max_staleness`, the driver masks older tokens out of the
+   loss). Only a buffered group holding a token more than the hard cap `group_staleness_cap`
+   versions behind `version` (in an unfinished sample, or in a finished one waiting for its
+   siblings) is reset and regenerated from scratch, all its samples together (counted, in samples
+   and tokens). Before sending, the client's concurrency is sized to what the servers' KV holds for
+   requests of this run (`client.afit_concurrency`, `rollout.concurrency`). A round cut by a sync's
+   "abort" pause before any group finished goes on after continue (its samples continue on the new
+   weights) until one does, so a sync never hands the trainer an empty round; one with a finished
+   group ends at the pause (the trainer waits for no tail);
 3. records each segment's tokens with their behavior log-probs and versions (and, with
    `return_routed_experts`, the MoE routing of the positions it computed first: the request asks
    from `routed_experts_start_len` = the rows recorded so far, so every position keeps the routing of
@@ -17,9 +23,9 @@ Each `step(prompts, version)` call (a round; `astep` on the client's loop) retur
    length below it -> partial; abort -> aborted (kept, resumed next step); 4xx -> failed;
 4. returns the groups whose G samples are all finished, oldest first, with the round's metrics and
    rejections; the rest stay buffered.
-Groups with a failed sample are dropped and counted (GRPO needs whole groups). `requeue_stale` sends
-finished groups that became too stale to train back into the buffer (the producer calls it when the
-trainer takes a round).
+Groups with a failed sample are dropped and counted (GRPO needs whole groups). A round cut short
+by a pause leaves the samples it did not reach as they were; `ready_for_prompts` tells the producer
+not to open new groups while older ones wait unstarted, so the buffer stays bounded.
 
 A segment whose request failed on every server leaves its sample as it was (nothing lost) and the
 step raises RolloutError after recording the segments that did succeed. `state_dict()` is
@@ -51,7 +57,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 STATE_FORMAT = 1
 _COUNTERS = ("num_groups_started", "num_groups_finished", "num_groups_failed", "num_segments",
-             "num_regenerated", "num_aborted_segments", "num_tokens_generated", "num_bad_replies")
+             "num_regenerated", "num_regenerated_tokens", "num_aborted_segments", "num_tokens_generated",
+             "num_bad_replies", "num_passes_after_pause")
 
 
 class PartialRolloutManager:
@@ -99,35 +106,21 @@ class PartialRolloutManager:
             self.buffer.append(RolloutGroup(group_id=uuid.uuid4().hex, prompt=p, start_version=int(version),
                                             samples=[Sample(prompt_ids=list(p.prompt_ids)) for _ in range(g)]))
         step["num_groups_started"] = len(prompts)
+        await self._fit_concurrency()
 
-        jobs: list[tuple[RolloutGroup, int, Sample]] = []
-        for group in self.buffer:
-            # The cap covers finished samples waiting for their siblings too, and the whole group
-            # restarts together, so its samples stay in step (they would otherwise reset each other).
-            if any(s.state is not SampleState.FAILED and self._too_stale(s, version) for s in group.samples):
-                for s in group.samples:
-                    if s.state is not SampleState.FAILED and s.response_ids:
-                        s.reset()
-                        s.num_regenerations += 1
-                        step["num_regenerated"] += 1
-            for j, s in enumerate(group.samples):
-                if not s.state.resumable:
-                    continue
-                if self._budget(s) <= 0:
-                    s.state = SampleState.TRUNCATED
-                    continue
-                jobs.append((group, j, s))
-
-        results = await asyncio.gather(*(self._advance(g, j, s, version, step) for g, j, s in jobs),
-                                       return_exceptions=True)
         errors: list[BaseException] = []
         rejections: list[str] = []
-        for (_, _, s), res in zip(jobs, results):
-            if isinstance(res, RequestRejected):
-                s.state, s.error = SampleState.FAILED, str(res)
-                rejections.append(str(res))
-            elif isinstance(res, BaseException):
-                errors.append(res)  # the sample keeps what it had recorded and is resumed next step
+        for _ in range(self.config.num_segments + 1):  # a group needs at most num_segments segments
+            cuts = self.client.stats.get("num_abort_pauses", 0)
+            await self._advance_buffer(version, step, errors, rejections)
+            # A sync's "abort" pause ends the round at once when it has a group to train; when it
+            # cut the round before any group finished, the round goes on (its samples continue on the
+            # new weights after continue, the segments the pause kept them from sent now) until one
+            # does: a round handed over empty would cost the trainer a step with no update.
+            if (errors or self.client.stats.get("num_abort_pauses", 0) == cuts
+                    or any(g.finished and not g.failed for g in self.buffer)):
+                break
+            step["num_passes_after_pause"] += 1
 
         if rejections:  # one line per step, not one per request
             logger.warning("%d rollout request(s) rejected (4xx), their groups dropped; first: %s",
@@ -153,28 +146,37 @@ class PartialRolloutManager:
                                f"buffered for the next step: {first}") from errors[0]
         return RolloutRound(prompts=list(prompts), groups=finished, metrics=metrics, rejections=rejections)
 
-    def requeue_stale(self, groups: list[RolloutGroup], version: int) -> tuple[list[RolloutGroup], int]:
-        """Finished `groups` about to be trained at `version`: those holding a token more than
-        `max_staleness` versions behind go back into the buffer, reset (regenerated first, as the
-        oldest groups). Returns the groups to train and the number of samples sent back."""
-        cap = self.config.max_staleness
-        if cap is None:
-            return groups, 0
-        keep, stale = [], []
-        for g in groups:
-            oldest = min((v for s in g.samples for v in s.model_versions), default=version)  # sampled tokens only
-            (stale if version - oldest > cap else keep).append(g)
-        for g in stale:
-            for s in g.samples:
-                s.reset()
-                s.num_regenerations += 1
-        regenerated = sum(len(g.samples) for g in stale)
-        self.totals["num_regenerated"] += regenerated
-        self.buffer[:0] = stale
-        if stale:
-            logger.info("%d finished group(s) more than %d versions behind version %d: regenerated", len(stale), cap,
-                        version)
-        return keep, regenerated
+    async def _advance_buffer(self, version: int, step: dict[str, int], errors: list[BaseException],
+                              rejections: list[str]) -> None:
+        """One segment (or agent round) for every unfinished sample of the buffer (groups past the
+        hard cap reset first)."""
+        jobs: list[tuple[RolloutGroup, int, Sample]] = []
+        for group in self.buffer:
+            # The hard cap covers finished samples waiting for their siblings too, and the whole group
+            # restarts together, so its samples stay in step (they would otherwise reset each other).
+            if any(s.state is not SampleState.FAILED and self._too_stale(s, version) for s in group.samples):
+                for s in group.samples:
+                    if s.state is not SampleState.FAILED and s.response_ids:
+                        step["num_regenerated_tokens"] += len(s.model_versions)  # sampled tokens only
+                        s.reset()
+                        s.num_regenerations += 1
+                        step["num_regenerated"] += 1
+            for j, s in enumerate(group.samples):
+                if not s.state.resumable:
+                    continue
+                if self._budget(s) <= 0:
+                    s.state = SampleState.TRUNCATED
+                    continue
+                jobs.append((group, j, s))
+
+        results = await asyncio.gather(*(self._advance(g, j, s, version, step) for g, j, s in jobs),
+                                       return_exceptions=True)
+        for (_, _, s), res in zip(jobs, results):
+            if isinstance(res, RequestRejected):
+                s.state, s.error = SampleState.FAILED, str(res)
+                rejections.append(str(res))
+            elif isinstance(res, BaseException):
+                errors.append(res)  # the sample keeps what it had recorded and is resumed next step
 
     async def _advance(self, group: RolloutGroup, index: int, s: Sample, version: int, step: dict[str, int]) -> None:
         """The sample's work of this round: one segment, or the agent loop's turns and tool calls."""
@@ -185,7 +187,7 @@ class PartialRolloutManager:
         self._apply(s, res, version, step)
 
     def _too_stale(self, s: Sample, version: int) -> bool:
-        cap = self.config.max_staleness
+        cap = self.config.group_staleness_cap
         versions = s.model_versions  # a tool's tokens have no version
         return cap is not None and bool(versions) and int(version) - min(versions) > cap
 
@@ -195,6 +197,20 @@ class PartialRolloutManager:
         if self.config.max_context_tokens is not None:
             room = min(room, self.config.max_context_tokens - len(s.prompt_ids) - len(s.response_ids))
         return room
+
+    async def _fit_concurrency(self) -> None:
+        """Size the client's concurrency for this run's requests (the longest prompt buffered); a
+        server that cannot be asked now leaves it as it was (its requests fail over as usual)."""
+        longest = max((len(g.prompt.prompt_ids) for g in self.buffer), default=0)
+        try:
+            await self.client.afit_concurrency(self.config.kv_tokens_per_request(longest))
+        except RolloutError as exc:
+            logger.debug("rollout concurrency not sized this round: %s", exc)
+
+    def ready_for_prompts(self) -> bool:
+        """Whether a round should open new groups: not while a buffered group waits unstarted (a
+        round cut short by a pause did not reach it), so the buffer cannot grow without bound."""
+        return not any(not g.failed and not any(s.response_ids for s in g.samples) for g in self.buffer)
 
     def _budget(self, s: Sample) -> int:
         """max_new_tokens of the sample's next segment (<= 0: no room left, it is truncated)."""
@@ -238,8 +254,9 @@ class PartialRolloutManager:
         s.response_logprobs.extend(res.logprobs)
         s.response_versions.extend(int(version) if v is None else v for v in res.versions)
         s.finish_reason = res.finish_reason
-        s.num_segments += 1
-        step["num_segments"] += 1
+        if res.output_ids or res.finish_type != "abort":  # a request cut before it ran is no segment
+            s.num_segments += 1
+            step["num_segments"] += 1
         step["num_tokens_generated"] += len(res.output_ids)
         if res.finish_type == "stop":
             s.state = SampleState.COMPLETED

@@ -162,6 +162,8 @@ class ServerPool:
 
         args = ["--random-seed", str(self.seed + i), "--weight-version", "0", "--dtype",
                 self.rollout.builtin_server_dtype, *self.server_flags]
+        if self.rollout.builtin_server_decode_delay_ms:
+            args += ["--decode-delay-ms", str(self.rollout.builtin_server_decode_delay_ms)]
         if key:
             args += ["--api-key", key]
         return start_server(self.model_path, port=port, log_path=log_path, extra_args=args, startup_timeout_s=timeout)

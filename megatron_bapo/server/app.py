@@ -304,7 +304,8 @@ def build_state(config: ServerConfig) -> ServerState:
     ctx = config.context_length or int(getattr(model.config, "max_position_embeddings", 0) or 4096)
     engine = Engine(model, tokenizer, eos_ids=eos_token_ids(model, tokenizer), max_running=config.max_running_requests,
                     seed=config.random_seed, original_logprob=config.return_original_logprob,
-                    max_total_tokens=config.max_total_tokens, capture_routing=config.enable_return_routed_experts)
+                    max_total_tokens=config.max_total_tokens, capture_routing=config.enable_return_routed_experts,
+                    decode_delay_s=config.decode_delay_ms / 1000.0)
     limits = RequestLimits(max_sampling_n=config.max_sampling_n, max_batch_size=config.max_batch_size,
                            max_prompt_tokens=min(config.max_prompt_tokens or ctx - 1, ctx - 1),
                            max_prompt_chars=config.max_prompt_chars)

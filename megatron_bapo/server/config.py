@@ -80,6 +80,11 @@ class ServerConfig:
     `json.loads` of a 32 MiB body of token ids takes ~0.7 s on the 2-core CI box."""
     max_prompt_tokens: Optional[int] = None
     """Longest prompt in tokens; None = context length - 1 (SGLang's `max_req_input_len`)."""
+    decode_delay_ms: float = 0.0
+    """Milliseconds added to every scheduler step that generates tokens (each running request's next
+    token), so a CPU rehearses what a 32B server's decode speed does to the control plane: syncs that
+    meet segments in flight, pauses, long responses spanning syncs (`benchmarks/bench_control_plane.py`).
+    Not an SGLang flag; 0 (default) adds nothing."""
     max_prompt_chars: int = 1 << 20
     """Longest `text` prompt in characters, checked before tokenizing (tokenization costs time and
     ~300 bytes of memory per character; 1 Mi characters is far beyond any context this serves)."""
@@ -97,6 +102,8 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if self.dtype not in SERVER_DTYPES:
             raise ValueError(f"ServerConfig.dtype must be one of {SERVER_DTYPES}, got {self.dtype!r} (--dtype)")
+        if not self.decode_delay_ms >= 0:
+            raise ValueError(f"ServerConfig.decode_delay_ms must be >= 0, got {self.decode_delay_ms} (--decode-delay-ms)")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"ServerConfig.num_threads must be >= 1, got {self.num_threads}")
         for name in ("max_sampling_n", "max_batch_size", "max_body_bytes", "max_prompt_tokens", "max_prompt_chars"):
@@ -158,6 +165,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body (413 above)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: context length - 1)")
     p.add_argument("--max-prompt-chars", type=int, default=1 << 20, help="longest text prompt, checked before tokenizing")
+    p.add_argument("--decode-delay-ms", type=float, default=0.0,
+                   help="slow generation down: milliseconds added to every step that generates tokens (CPU rehearsals)")
     for flag, nargs in IGNORED_SGLANG_FLAGS.items():
         dest = "ignored_" + flag.lstrip("-").replace("-", "_")
         if nargs == 0:

@@ -15,7 +15,7 @@ finished in place, never searched for in the queue (`waiting.py`).
 
 Isolation: a request whose sampling raises is failed alone (500 reason) and the others in its
 prefill or decode batch go on; a batched prefill whose forward raises is retried one context at a
-time, so only the context that fails again is failed.
+time, so only the context that fails again is failed. Admission and prefill: `admission.py`.
 """
 
 from __future__ import annotations
@@ -23,41 +23,29 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
 
+from megatron_bapo.server.admission import AdmissionMixin, failure
 from megatron_bapo.server.kv import BatchKV
-from megatron_bapo.server.prefill import batched_prefill, chunk_by_tokens
 from megatron_bapo.server.protocol import GenerateItem
-from megatron_bapo.server.req import Req, abort_reason, check_finished, fill_input_logprobs
+from megatron_bapo.server.req import Req, abort_reason, check_finished
 from megatron_bapo.server.routing import RoutingCapture, keep_routing
 from megatron_bapo.server.sampling import adjust_logits, choose_plain_batch, choose_token, is_plain, top_logprobs
 from megatron_bapo.server.waiting import WaitingQueue
 
 logger = logging.getLogger(__name__)
 
-PREFILL_MAX_TOKENS = 8192
-"""Padded tokens per batched prefill forward (bounds the activation memory of one prefill)."""
-
 _SUBMIT, _ABORT_PREFIX, _ABORT_EXACT = "submit", "abort_prefix", "abort_exact"
 
 
-def _reserve(req: Req) -> int:
-    """KV tokens a request may need: its prompt plus its whole output budget."""
-    return len(req.item.input_ids) + int(req.item.params.max_new_tokens)
-
-
-def _failure(where: str, exc: BaseException) -> dict:
-    return {"type": "abort", "message": f"internal error in {where}: {exc}", "status_code": 500,
-            "err_type": "InternalServerError"}
-
-
-class Engine:
+class Engine(AdmissionMixin):
     """Owns the model and the scheduler thread. All public methods are thread-safe."""
 
     def __init__(self, model, tokenizer, *, eos_ids, max_running: int, seed: int, original_logprob: bool,
-                 max_total_tokens: Optional[int] = None, capture_routing: bool = False):
+                 max_total_tokens: Optional[int] = None, capture_routing: bool = False, decode_delay_s: float = 0.0):
         self.model = model
         self.routing: Optional[RoutingCapture] = RoutingCapture(model) if capture_routing else None
         """Records the routed experts of every forward (--enable-return-routed-experts)."""
@@ -65,6 +53,8 @@ class Engine:
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.max_running = max_running
         self.max_total_tokens = max_total_tokens
+        self.decode_delay_s = decode_delay_s
+        """Added to every step that generates tokens (`--decode-delay-ms`: a slow server on a CPU)."""
         self.original_logprob = original_logprob
         self.generator = torch.Generator().manual_seed(seed)
         self.step_lock = threading.RLock()
@@ -189,16 +179,19 @@ class Engine:
                 try:
                     self._take_inbox()
                     if not self._paused:
+                        generated = self.num_generated_tokens
                         self._admit()
                         if self._running:
                             self._decode_step()
+                        if self.decode_delay_s and self.num_generated_tokens > generated:
+                            time.sleep(self.decode_delay_s)  # as a slower device's step would take
                 except BaseException as exc:  # noqa: BLE001 - keep serving; fail the affected requests
                     logger.exception("scheduler step failed; aborting the running requests")
                     self.last_error = exc
                     failed, self._running = self._running, []
                     self._kv.clear()
                     for req in failed:
-                        self._finish(req, _failure("decode", exc))
+                        self._finish(req, failure("decode", exc))
                 finally:
                     self._flush()
         with self.step_lock:
@@ -268,68 +261,6 @@ class Engine:
             return self._waiting.all_live()
         return self._waiting.with_prefix(prefix) if prefix else []
 
-    def _pop_admissible(self) -> list:
-        """Waiting requests (FIFO) while there is room: `max_running`, and the KV budget when set
-        (prompt + max_new_tokens reserved per request; one is always admitted when none runs)."""
-        budget = self.max_total_tokens
-        reserved = sum(_reserve(r) for r in self._running) if budget is not None else 0
-
-        def fits(req: Req, num_taken: int) -> bool:
-            nonlocal reserved
-            if budget is None:
-                return True
-            if reserved + _reserve(req) > budget and (num_taken or self._running):
-                return False
-            reserved += _reserve(req)
-            return True
-
-        return self._waiting.pop_admissible(self.max_running - len(self._running), fits)
-
-    def _admit(self) -> None:
-        batch = self._pop_admissible()
-        if not batch:
-            return
-        groups: dict[tuple, list[Req]] = {}
-        for req in batch:
-            groups.setdefault(tuple(req.item.input_ids + req.output_ids), []).append(req)
-        plain: list[tuple] = []
-        for ctx, reqs in groups.items():
-            needs_input = any(r.item.return_logprob and r.item.logprob_start_len >= 0 and not r.started for r in reqs)
-            if needs_input:  # full-sequence logits: one forward for this context alone
-                self._guarded(reqs, self._prefill, list(ctx), reqs)
-                continue
-            for r in reqs:
-                if r.item.params.max_new_tokens <= len(r.output_ids):
-                    self._finish(r, {"type": "length", "length": r.item.params.max_new_tokens})
-            reqs = [r for r in reqs if r.finish_reason is None]
-            if reqs:
-                plain.append((ctx, reqs))
-        if plain:
-            for chunk in chunk_by_tokens([ctx for ctx, _ in plain], PREFILL_MAX_TOKENS):
-                entries = [plain[i] for i in chunk]
-                if not self._guarded([r for _, rs in entries for r in rs], self._prefill_batch, entries,
-                                     fail=len(entries) == 1):
-                    for entry in entries:  # isolate: one context at a time, so only a failing one fails
-                        self._guarded(entry[1], self._prefill_batch, [entry])
-
-    def _guarded(self, reqs: list[Req], fn, *args, fail: bool = True) -> bool:
-        """Run a prefill; on error fail only its unfinished requests (when `fail`), keep serving the
-        rest. Returns False on error."""
-        try:
-            fn(*args)
-            return True
-        except Exception as exc:  # noqa: BLE001
-            self.last_error = exc
-            if not fail:
-                logger.warning("batched prefill of %d request(s) failed (%s); retrying one context at a time",
-                               len(reqs), exc)
-                return False
-            logger.exception("prefill failed for %d request(s)", len(reqs))
-            for req in reqs:
-                if req.finish_reason is None and not req.running:
-                    self._finish(req, _failure("prefill", exc))
-            return False
-
     def _sample_guarded(self, req: Req, logits: torch.Tensor) -> bool:
         """`_sample` for one request; an error fails this request only (returns False)."""
         try:
@@ -338,81 +269,8 @@ class Engine:
             logger.exception("sampling failed for rid %s; failing that request only", req.rid)
             self.last_error = exc
             if req.finish_reason is None:
-                self._finish(req, _failure("sampling", exc))
+                self._finish(req, failure("sampling", exc))
             return False
-
-    def _join(self, reqs: list[Req]) -> None:
-        for req in reqs:
-            req.running = True
-        self._running.extend(reqs)
-
-    def _prefill_batch(self, entries: list[tuple]) -> None:
-        """One left-padded forward for several distinct contexts, each shared by its requests.
-        Only the forward may raise (the caller may then retry); later errors fail the requests here."""
-        (logits, layers, mask), routed = self._forward(batched_prefill, self.model, [ctx for ctx, _ in entries])
-        if routed is not None:  # [b * width, L, k] of the left-padded batch
-            routed = routed.view(mask.shape[0], mask.shape[1], *routed.shape[1:])
-        rows, joined = [], []
-        try:
-            for j, (ctx, reqs) in enumerate(entries):
-                for i, req in enumerate(reqs):
-                    if i > 0 and not req.started:
-                        req.cached_tokens = len(req.item.input_ids)
-                    req.started = True
-                    if routed is not None:
-                        keep_routing(req, routed[j, routed.shape[1] - len(ctx):], prefill=True)
-                    if self._sample_guarded(req, logits[j]):
-                        rows.append(j)
-                        joined.append(req)
-            if joined:
-                idx = torch.tensor(rows, dtype=torch.long)
-                self._kv.append([(k.index_select(0, idx), v.index_select(0, idx)) for k, v in layers],
-                                mask.index_select(0, idx))
-                self._join(joined)
-        except Exception as exc:  # noqa: BLE001 - tokens were drawn: no retry, fail these requests
-            logger.exception("prefill bookkeeping failed for %d context(s)", len(entries))
-            for _, reqs in entries:
-                for req in reqs:
-                    if req.finish_reason is None and not req.running:
-                        self._finish(req, _failure("prefill", exc))
-
-    def _prefill(self, ctx: list, reqs: list[Req]) -> None:
-        """One forward over `ctx` shared by `reqs`; samples each request's next token."""
-        want_input = [r for r in reqs if r.item.return_logprob and r.item.logprob_start_len >= 0 and not r.started]
-        todo = [r for r in reqs if r.item.params.max_new_tokens > len(r.output_ids)]
-        todo_ids, want_ids = {id(r) for r in todo}, {id(r) for r in want_input}
-        for r in reqs:
-            if id(r) not in todo_ids and id(r) not in want_ids:
-                self._finish(r, {"type": "length", "length": r.item.params.max_new_tokens})
-        if not todo and not want_input:
-            return
-        ids = torch.tensor([ctx], dtype=torch.long)
-        out, routed = self._forward(self.model, input_ids=ids, use_cache=bool(todo), logits_to_keep=0 if want_input else 1)
-        for r in reqs:
-            keep_routing(r, routed, prefill=True)
-        logits = out.logits[0].float()
-        if want_input:
-            lp_all = torch.log_softmax(logits[:-1], dim=-1)
-            for r in want_input:
-                fill_input_logprobs(r, ctx, lp_all)
-        for r in reqs:
-            if id(r) not in todo_ids and r.finish_reason is None:
-                self._finish(r, {"type": "length", "length": r.item.params.max_new_tokens})
-        if not todo:
-            return
-        last = logits[-1]
-        layers = BatchKV.from_cache(out.past_key_values)
-        joined: list[Req] = []
-        for i, req in enumerate(todo):
-            req.cached_tokens = len(req.item.input_ids) if i > 0 and not req.started else req.cached_tokens
-            req.started = True
-            if self._sample_guarded(req, last):
-                joined.append(req)
-        if joined:
-            b = len(joined)
-            rep = [(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1)) for k, v in layers]
-            self._kv.append(rep, torch.ones(b, len(ctx), dtype=torch.long))
-            self._join(joined)
 
     def _sample(self, req: Req, logits: torch.Tensor) -> bool:
         """Choose, record and check one token; returns True when the request keeps running."""
