@@ -76,14 +76,19 @@ def _build_and_step(rank, world_size, layout, model=TINY4):
     from megatron_bapo.actor.scatter import PreparedBatch
     from megatron_bapo.config_io import from_dict
 
-    spies = {name: Recorder(getattr(actor_mod, name)) for name in ("vocab_parallel_logprobs", "resolve_layer_spec")}
+    import megatron_bapo.actor.build as build_mod
+    import megatron_bapo.actor.passes as passes_mod
+
+    spies = {"vocab_parallel_logprobs": Recorder(passes_mod.vocab_parallel_logprobs),  # the model passes call it
+             "resolve_layer_spec": Recorder(build_mod.resolve_layer_spec)}  # build_actor calls it
     for name in ("search_clip_bounds", "policy_loss"):  # the actor's loss calls them (ppo_clip)
         spies[name] = Recorder(getattr(objective_mod, name))
     spies["aggregation_weights"] = Recorder(scatter_mod.aggregation_weights)
     for name in ("tis_weights", "mis_weights", "seq_mis_weights"):
         spies[name] = Recorder(getattr(importance_mod, name))
     homes = {"aggregation_weights": scatter_mod, "tis_weights": importance_mod, "mis_weights": importance_mod,
-             "seq_mis_weights": importance_mod, "search_clip_bounds": objective_mod, "policy_loss": objective_mod}
+             "seq_mis_weights": importance_mod, "search_clip_bounds": objective_mod, "policy_loss": objective_mod,
+             "vocab_parallel_logprobs": passes_mod, "resolve_layer_spec": build_mod}
     for name, spy in spies.items():
         setattr(homes.get(name, actor_mod), name, spy)
     warnings: list[str] = []
