@@ -5,7 +5,9 @@
 The per-step loop is what the official recipe does: every search step re-evaluates the
 contribution over all tokens and syncs to the host (`.item()`) to test the condition; with a
 process group it also all-reduces every step. Ours buckets every token once, all-reduces one
-vector, and walks the path on the host. All numbers come from this one run, on this machine.
+vector, and walks the path on the host. The balance applied to DPPO's thresholds and CISPO's cap
+(`algorithms.balance`) is timed against BAPO's own search and against each loss's forward. All
+numbers come from this one run, on this machine.
 """
 
 from __future__ import annotations
@@ -20,7 +22,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from megatron_bapo.algorithms import BapoConfig, balance_metric, policy_loss, search_clip_bounds  # noqa: E402
+from megatron_bapo.algorithms import (  # noqa: E402
+    BapoConfig,
+    CispoConfig,
+    DppoConfig,
+    balance_metric,
+    cispo_loss,
+    dppo_loss,
+    policy_loss,
+    search_clip_bounds,
+)
+from megatron_bapo.algorithms.balance import search_cispo, search_dppo  # noqa: E402
 
 
 def per_step_loop(ratio, adv, mask, cfg: BapoConfig, group=None):
@@ -119,6 +131,24 @@ def main() -> None:
         print(f"  policy_loss (fwd)    {med(t_loss) * 1e3:9.1f} ms")
         print(f"  speedup vs loop      {speedup:9.1f}x   (median of {args.repeats} paired rounds; target >= 20x)")
         print(f"  cost vs one loss     {vs_loss:9.2f}x   (target <= 3x)")
+
+    cfg = BapoConfig(rho0=args.rho0)
+    dppo, cispo = DppoConfig(), CispoConfig()
+    for name, search, loss in (
+        ("dppo", lambda: search_dppo(logp, behavior, adv, mask, dppo, cfg),
+         lambda: dppo_loss(logp, behavior, adv, mask, dppo)),
+        ("cispo", lambda: search_cispo(logp, behavior, adv, mask, cispo, cfg),
+         lambda: cispo_loss(logp, behavior, adv, mask, cispo)),
+    ):
+        res = search()
+        t_search, t_bapo, t_loss = paired_times([search, lambda: search_clip_bounds(ratio, adv, mask, cfg), loss],
+                                                args.repeats)
+        med = statistics.median
+        print(f"\n[{name} balance] search steps={res.num_steps}  parameters=({res.c_low:.3f}, {res.c_high:.3f})  "
+              f"rho {res.rho_initial:.3f} -> {res.rho:.3f}")
+        print(f"  one-pass search      {med(t_search) * 1e3:9.1f} ms")
+        print(f"  vs BAPO's search     {med([a / b for a, b in zip(t_search, t_bapo)]):9.2f}x")
+        print(f"  vs one {name} loss   {med([a / b for a, b in zip(t_search, t_loss)]):9.2f}x")
 
 
 if __name__ == "__main__":

@@ -24,14 +24,32 @@
 # A tiny Qwen3-MoE with rollout routing replay:
 #   TINY_ARCH=qwen3_moe TINY_DIR=runs/tiny_moe_assets OUT=runs/tiny_moe \
 #     CONFIG=examples/configs/tiny_moe.yaml bash examples/run_tiny_bapo.sh
+# The same run on the real SGLang server instead of the built-in one (rollout.engine=sglang): the
+# script also builds .venv-sglang (tools/install.sh --with-sglang, a few minutes once) and, on a
+# machine without a GPU, turns rollout.deterministic_inference off (SGLang's deterministic mode needs
+# GPU attention kernels); pass a new trainer.output_dir to keep the built-in run's checkpoints apart:
+#   bash examples/run_tiny_bapo.sh rollout.engine=sglang trainer.output_dir=runs/tiny_sglang
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 CONFIG=${CONFIG:-examples/configs/tiny_bapo.yaml}
 PY=.venv/bin/python
-
+ENGINE=builtin
+for arg in "$@"; do
+  case "$arg" in rollout.engine=*) ENGINE=${arg#rollout.engine=} ;; esac
+done
+engine_args=()
 start=$SECONDS
-bash tools/install.sh
+if [ "$ENGINE" = sglang ]; then
+  bash tools/install.sh --with-sglang
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "rollout.engine=sglang on CPU: rollout.deterministic_inference=false (SGLang's deterministic inference" \
+         "needs GPU attention kernels)"
+    engine_args+=(rollout.deterministic_inference=false)
+  fi
+else
+  bash tools/install.sh
+fi
 install_s=$((SECONDS - start))
 # Defaults from the config: the assets next to its model, its output directory, its task.
 read -r CFG_TINY_DIR CFG_OUT CFG_TASK < <("$PY" - "$CONFIG" <<'PYEOF'
@@ -60,7 +78,7 @@ start=$SECONDS
   model.hf_path="$TINY_DIR/base_model" \
   data.path="$TINY_DIR/data/train.jsonl" \
   "eval.datasets=[{name: tiny_test, path: $TINY_DIR/data/test.jsonl}]" \
-  trainer.output_dir="$OUT" "$@"
+  trainer.output_dir="$OUT" "${engine_args[@]}" "$@"
 train_s=$((SECONDS - start))
 "$PY" tools/summarize_run.py "$OUT"
 echo "timings: install $install_s s, assets $assets, train $train_s s, total $SECONDS s"

@@ -19,13 +19,11 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-TINY_DIR=${TINY_DIR:-runs/tiny_assets}
 STUDY_DIR=${STUDY_DIR:-runs/mismatch_study}
 RESULTS=${RESULTS:-results/mismatch_study}
-STEPS=${STEPS:-60}
-SEEDS=${SEEDS:-1 2 3}
 ARMS=${ARMS:-rollout recompute-tis recompute-mis}
-PY=.venv/bin/python
+# shellcheck source=examples/study_common.sh
+source examples/study_common.sh
 LEVEL="actor.n_minibatches=4 actor.ppo_epochs=2 rollout.segment_tokens=4 rollout.max_staleness=4 trainer.async_steps=2"
 
 arm_args() {
@@ -37,33 +35,13 @@ arm_args() {
   esac
 }
 
-bash tools/install.sh
-if [ ! -f "$TINY_DIR/info.json" ]; then
-  "$PY" tools/make_tiny.py --out "$TINY_DIR" --force
-fi
+study_setup
 mkdir -p "$RESULTS"
-runs=()
 for arm in $ARMS; do
-  dirs=()
-  for seed in $SEEDS; do
-    out="$STUDY_DIR/$arm/seed$seed"
-    if [ ! -f "$out/done" ]; then  # a finished run is kept: rerunning the script resumes the study
-      # shellcheck disable=SC2046,SC2086
-      "$PY" -m megatron_bapo.train --config examples/configs/tiny_bapo.yaml --no-resume \
-        bapo_preset=bapo trainer.seed="$seed" data.seed="$seed" \
-        model.hf_path="$TINY_DIR/base_model" \
-        data.path="$TINY_DIR/data/train.jsonl" \
-        "eval.datasets=[{name: tiny_test, path: $TINY_DIR/data/test.jsonl}]" \
-        trainer.output_dir="$out" trainer.total_steps="$STEPS" trainer.save_every=0 \
-        trainer.progress=false eval.every_n_steps=10 rollout.builtin_server_dtype=bfloat16 \
-        $LEVEL $(arm_args "$arm")
-      touch "$out/done"
-    fi
-    dirs+=("$out")
-  done
-  runs+=("$arm=$(IFS=,; echo "${dirs[*]}")")
+  # shellcheck disable=SC2046,SC2086
+  study_arm "$arm" "$STUDY_DIR/$arm" bapo_preset=bapo rollout.builtin_server_dtype=bfloat16 $LEVEL $(arm_args "$arm")
 done
-"$PY" tools/plot_study.py --runs "${runs[@]}" --out "$RESULTS" > /dev/null
+"$PY" tools/plot_study.py --runs "${RUNS[@]}" --out "$RESULTS" > /dev/null
 
 # Lag-0 probe. At the replay-async level only the first update has tokens of version lag 0 (the
 # initial weights sampled the first rounds): every later token is at least one version old, so its

@@ -15,14 +15,12 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-TINY_DIR=${TINY_DIR:-runs/tiny_assets}
 STUDY_DIR=${STUDY_DIR:-runs/staleness_study}
 RESULTS=${RESULTS:-results/staleness_study}
-STEPS=${STEPS:-60}
-SEEDS=${SEEDS:-1 2 3}
 LEVELS=${LEVELS:-on-policy replay replay-async}
 PRESETS=${PRESETS:-grpo clip-higher bapo}
-PY=.venv/bin/python
+# shellcheck source=examples/study_common.sh
+source examples/study_common.sh
 
 level_args() {
   case "$1" in
@@ -33,34 +31,16 @@ level_args() {
   esac
 }
 
-bash tools/install.sh
-if [ ! -f "$TINY_DIR/info.json" ]; then
-  "$PY" tools/make_tiny.py --out "$TINY_DIR" --force
-fi
+study_setup
 mkdir -p "$RESULTS"
 : > "$RESULTS/table.md"
 for level in $LEVELS; do
-  runs=()
+  RUNS=()
   for preset in $PRESETS; do
-    dirs=()
-    for seed in $SEEDS; do
-      out="$STUDY_DIR/$level/$preset/seed$seed"
-      if [ ! -f "$out/done" ]; then  # a finished run is kept: rerunning the script resumes the study
-        # shellcheck disable=SC2046
-        "$PY" -m megatron_bapo.train --config examples/configs/tiny_bapo.yaml --no-resume \
-          bapo_preset="$preset" trainer.seed="$seed" data.seed="$seed" \
-          model.hf_path="$TINY_DIR/base_model" \
-          data.path="$TINY_DIR/data/train.jsonl" \
-          "eval.datasets=[{name: tiny_test, path: $TINY_DIR/data/test.jsonl}]" \
-          trainer.output_dir="$out" trainer.total_steps="$STEPS" trainer.save_every=0 \
-          trainer.progress=false eval.every_n_steps=10 $(level_args "$level")
-        touch "$out/done"
-      fi
-      dirs+=("$out")
-    done
-    runs+=("$preset=$(IFS=,; echo "${dirs[*]}")")
+    # shellcheck disable=SC2046
+    study_arm "$preset" "$STUDY_DIR/$level/$preset" bapo_preset="$preset" $(level_args "$level")
   done
-  "$PY" tools/plot_study.py --runs "${runs[@]}" --out "$RESULTS/$level" > /dev/null
+  "$PY" tools/plot_study.py --runs "${RUNS[@]}" --out "$RESULTS/$level" > /dev/null
   { echo "### $level"; echo; cat "$RESULTS/$level/table.md"; echo; } >> "$RESULTS/table.md"
 done
 cat "$RESULTS/table.md"

@@ -26,8 +26,13 @@ from megatron_bapo.data.config import DatasetConfig
 from megatron_bapo.eval.config import EvalConfig
 from megatron_bapo.rollout.agent import AgentConfig
 from megatron_bapo.rollout.config import PartialRolloutConfig, RolloutClientConfig
+from megatron_bapo.rollout.pool import required_server_flags
+from megatron_bapo.rollout.sglang_launch import SGLangLaunchConfig, check_cpu_support
 from megatron_bapo.sync.config import SyncConfig
 
+
+DYNAMIC_SAMPLING = ("off", "filter", "refill")
+"""`rollout.dynamic_sampling` (rollout.dynamic_sampling.DynamicSampler)."""
 
 PENALTY_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0}
 """SGLang sampling keys that change the logits before the returned log-prob, with their neutral values."""
@@ -107,6 +112,9 @@ class ModelConfig:
             raise ConfigError("model.hf_path must be set to an HF checkpoint directory (tools/make_tiny.py makes one)")
 
 
+ENGINES = ("builtin", "sglang")
+
+
 @dataclass
 class RolloutConfig(PartialRolloutConfig):
     """Where rollouts come from and how they are sampled (design section 3 steps 2-3).
@@ -119,15 +127,26 @@ class RolloutConfig(PartialRolloutConfig):
 
     prompts_per_step: int = 8
     """Groups per RL step (the batch is `prompts_per_step x group_size` responses)."""
+    engine: str = "builtin"
+    """The servers the run starts itself (when `client.urls` and `client.router_url` are empty):
+    "builtin" (the built-in CPU server, `megatron_bapo/server/`) or "sglang" (real SGLang servers,
+    `sglang.launch_server`, as `sglang` says: on CPU from the venv `tools/install.sh --with-sglang`
+    builds, on GPUs on the GPUs it names). Either way they start with the flags the run relies on,
+    are waited for, and a crashed one is restarted and given the current weights."""
     num_builtin_servers: int = 1
-    """Built-in servers started on loopback when `client.urls` and `client.router_url` are empty."""
+    """How many servers the run starts (of `engine`) when `client.urls` and `client.router_url` are
+    empty."""
     builtin_server_dtype: str = "float32"
     """The built-in servers' `--dtype`: "float32" (log-probs match the fp32 trainer's to ~1e-6) or
-    "bfloat16" (as SGLang serves on GPUs: a real training-inference mismatch, see docs/bapo.md)."""
+    "bfloat16" (as SGLang serves on GPUs: a real training-inference mismatch, see docs/bapo.md).
+    SGLang servers take `sglang.dtype`."""
     builtin_server_decode_delay_ms: float = 0.0
     """The built-in servers' `--decode-delay-ms`: milliseconds added to every generation step, so a CPU
     run rehearses a slow (large-model) server: syncs meeting segments in flight, long responses
     spanning syncs (tests, `benchmarks/bench_control_plane.py`). 0: as fast as the CPU goes."""
+    sglang: SGLangLaunchConfig = field(default_factory=SGLangLaunchConfig)
+    """How `engine: sglang` launches its servers: the Python with SGLang, CPU or GPUs (which ones),
+    TP size, dtype, KV memory, more flags (`megatron_bapo/rollout/sglang_launch.py`)."""
     client: RolloutClientConfig = field(default_factory=RolloutClientConfig)
     """Servers, router, concurrency, timeouts, retries, API key (`client.health_timeout_s` also bounds
     the built-in servers' start)."""
@@ -137,6 +156,16 @@ class RolloutConfig(PartialRolloutConfig):
     wrong); 1 disables."""
     max_server_restarts: int = 3
     """Times the trainer restarts a built-in server that died (each restart counted and logged)."""
+    dynamic_sampling: str = "off"
+    """What a step trains of the groups that finished (`rollout.dynamic_sampling`): "off" (all of
+    them, as before), "filter" (drop groups whose rewards are all equal: they carry no GRPO signal),
+    "refill" (DAPO: drop them and draw more prompts, in further rollout rounds of the same step,
+    until `prompts_per_step` groups with non-zero reward variance are ready or
+    `max_refill_rounds` is reached; surplus finished groups wait in the buffer for the next step).
+    Metrics: `rollout/zero_variance_frac`, `rollout/refill_rounds`, `rollout/refill_cap_hit`."""
+    max_refill_rounds: int = 8
+    """With `dynamic_sampling: refill`, extra rollout rounds per step at most; a step that reaches it
+    trains what it has and logs `rollout/refill_cap_hit` = 1."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn rollouts with tools (`rollout.agent.tools`, docs/rollout.md#multi-turn-rollouts-with-tools);
     no tools: single-turn. Evaluation runs the same agent loop."""
@@ -146,6 +175,17 @@ class RolloutConfig(PartialRolloutConfig):
         for name in ("prompts_per_step", "num_builtin_servers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"rollout.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine == "sglang" and not self.client.urls and not self.client.router_url:
+            self.sglang.resolved_python()  # SGLang is installed (before any model is built)
+            if self.sglang.resolved_device() == "cpu":
+                check_cpu_support(required_server_flags(deterministic_inference=self.deterministic_inference,
+                                                        pause_mode=None, routed_experts=self.return_routed_experts))
+        if self.dynamic_sampling not in DYNAMIC_SAMPLING:
+            raise ConfigError(f"rollout.dynamic_sampling must be one of {DYNAMIC_SAMPLING}, got {self.dynamic_sampling!r}")
+        if self.max_refill_rounds < 1:
+            raise ConfigError(f"rollout.max_refill_rounds must be >= 1, got {self.max_refill_rounds}")
         if self.builtin_server_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"rollout.builtin_server_dtype must be 'float32' or 'bfloat16', got "
                               f"{self.builtin_server_dtype!r}")
@@ -197,8 +237,18 @@ class RewardConfig:
     """A step where the reward FUNCTION failed (raised, timed out, returned a non-number) on more
     than this fraction of the responses stops the run, naming the reward and sample errors; 1
     disables. (Responses without a valid answer are not failures of the function.)"""
+    overlong_buffer_tokens: int = 0
+    """DAPO's soft overlong punishment: L_cache, the last tokens before `rollout.max_response_tokens`
+    over which a linear length penalty grows from 0 to -`overlong_penalty` (`rewards.overlong`);
+    0 = off. Logged as `reward/overlong_penalty_mean` and `reward/num_overlong_penalized`."""
+    overlong_penalty: float = 1.0
+    """The penalty at the limit (DAPO: 1, the scale of a correct answer)."""
 
     def __post_init__(self) -> None:
+        if self.overlong_buffer_tokens < 0:
+            raise ConfigError(f"reward.overlong_buffer_tokens must be >= 0 (0 = off), got {self.overlong_buffer_tokens}")
+        if not self.overlong_penalty >= 0:
+            raise ConfigError(f"reward.overlong_penalty must be >= 0, got {self.overlong_penalty}")
         if not self.timeout_s > 0:
             raise ConfigError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
         if not 0 < self.max_failure_rate <= 1:
@@ -212,8 +262,6 @@ class AdvantageConfig:
     estimator: str = "grpo"
     """"grpo": (r - mean) / (std + eps) per group; "dr_grpo": r - mean (no std division)."""
     eps: float = 1e-6
-    filter_uniform_groups: bool = False
-    """Drop groups whose rewards are all equal (zero advantage everywhere), counted in metrics."""
 
     def __post_init__(self) -> None:
         if self.estimator not in ("grpo", "dr_grpo"):
@@ -247,6 +295,11 @@ class RunConfig:
                 f"(abort, retract or in_place): without a pause each bucket waits for the generation in flight and "
                 f"requests between buckets run on half-updated weights; set sync.pause_mode=abort or "
                 f"trainer.async_steps=0")
+        if self.reward.overlong_buffer_tokens > ro.max_response_tokens:
+            raise ConfigError(
+                f"reward.overlong_buffer_tokens={self.reward.overlong_buffer_tokens} is longer than "
+                f"rollout.max_response_tokens={ro.max_response_tokens}: the penalty's ramp must end at the limit; "
+                f"use at most {ro.max_response_tokens} (DAPO: a quarter of it)")
         if self.actor.routing_replay and not ro.return_routed_experts:
             raise ConfigError("actor.routing_replay=true replays the experts the rollout servers chose, which they "
                               "return only when asked: set rollout.return_routed_experts=true")
@@ -306,6 +359,12 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
         data = loaded or {}
     data = apply_overrides(data, overrides)
+    rollout = data.get("rollout")
+    if isinstance(rollout, dict) and rollout.get("dynamic_sampling") is False:
+        rollout["dynamic_sampling"] = "off"  # YAML 1.1 reads an unquoted `off` as false
+    if "filter_uniform_groups" in (data.get("advantage") or {}):
+        raise ConfigError("advantage.filter_uniform_groups was replaced by rollout.dynamic_sampling: filter (the same "
+                          "drop of groups with equal rewards; refill draws more prompts instead); remove the key")
     preset = data.get("bapo_preset")
     if preset is not None:
         try:

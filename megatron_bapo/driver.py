@@ -18,12 +18,16 @@ the served version) belong to `rollout.pool.ServerPool`. On actor ranks above 0 
 the driver's place, so the trainer's loop has no rank branches around the sync.
 
 Rollout runs through `rollout.RolloutProducer`: with `trainer.async_steps` = 0 it produces each
-round when the trainer asks for it (the synchronous loop); with k > 0 it runs k rounds ahead.
+round when the trainer asks for it (the synchronous loop); with k > 0 it runs k rounds ahead. A round
+is `rollout.dynamic_sampling.DynamicSampler.produce`: it scores the groups that finished
+(`experience.score_groups`, the one place rewards are computed) and keeps, drops or refills per
+`rollout.dynamic_sampling`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -73,8 +77,10 @@ class Driver:
         from transformers import AutoTokenizer
 
         from megatron_bapo.data import PromptDataset
+        from megatron_bapo.experience import score_groups
         from megatron_bapo.rollout import PartialRolloutManager
         from megatron_bapo.rollout.agent import AgentLoop
+        from megatron_bapo.rollout.dynamic_sampling import DynamicSampler, manager_round, requeue_into
         from megatron_bapo.rollout.producer import RolloutProducer
 
         cfg, ro = self.config, self.config.rollout
@@ -103,13 +109,22 @@ class Driver:
         # Per-request seeds only where the servers honour them (SGLang: --enable-deterministic-inference).
         manager = PartialRolloutManager(self.client, ro, seed=cfg.trainer.seed if ro.deterministic_inference else None,
                                         agent=self.agent)
-        self.producer = RolloutProducer(self.client, manager, lambda: self.dataset.next_batch(ro.prompts_per_step),
-                                        ahead=cfg.trainer.async_steps, served_version=lambda: self.pool.version)
+        self._score = functools.partial(score_groups, tokenizer=self.tokenizer, reward_cfg=cfg.reward,
+                                        max_response_tokens=ro.max_response_tokens)
+        self.sampler = DynamicSampler(
+            mode=ro.dynamic_sampling, prompts_per_step=ro.prompts_per_step, max_refill_rounds=ro.max_refill_rounds,
+            draw=lambda n: self.dataset.next_batch(n) if manager.ready_for_prompts() else [],
+            advance=manager_round(manager), requeue=requeue_into(manager),
+            score=self._score, sample_metrics=self.agent.sample_metrics if self.agent is not None else None)
+        self.producer = RolloutProducer(self.client, manager, self.sampler.produce, ahead=cfg.trainer.async_steps,
+                                        served_version=lambda: self.pool.version, interrupt=self.sampler.interrupt)
         if state:
             try:
                 self.dataset.load_state_dict(state["data"])
                 manager.load_state_dict(state["rollout"])
                 self.producer.load_state_dict(state.get("rounds", {}))
+                self.sampler.load_state_dict(state.get("sampling", {}),
+                                             legacy_unrecorded=state.get("rounds", {}).get("unrecorded", []))
             except (ValueError, KeyError, TypeError) as exc:  # a checkpoint written before run records
                 raise CheckpointError(f"cannot resume from {checkpoint}: {exc}. {run_record.WAY_OUT}") from exc
         # Resumed: drop the steps after the checkpoint (they are redone). Started over in a used
@@ -213,7 +228,10 @@ class Driver:
         done, waited = self.pool.retry_after_restart(self.producer.next, before_retry=self.producer.restart)
         self._check_rejections(done)
         t0 = time.monotonic()
-        batch, metrics = build_experience(done.groups, self.tokenizer, cfg.reward, cfg.advantage,
+        unscored = [g for g in done.groups if any(s.reward is None for s in g.samples)]
+        if unscored:  # rounds saved ahead by a checkpoint written before rewards moved to rollout time
+            done.metrics.update(self._score(unscored).metrics())
+        batch, metrics = build_experience(done.groups, self.tokenizer, cfg.advantage,
                                           n_minibatches=cfg.actor.n_minibatches,
                                           temperature=cfg.rollout.sampling.temperature,
                                           routed_experts_shape=self.routed_experts_shape)
@@ -221,11 +239,11 @@ class Driver:
             metrics.update(mask_stale_tokens(batch, version, cfg.rollout.max_staleness))
             if not bool((batch["loss_mask"] > 0).any()):
                 batch = None
-        self.ledger.record(step, done.prompts, done.groups)
-        metrics.update(done.metrics)
+        self.ledger.record(step, done.prompts, done.groups, done.dropped)
+        metrics.update(done.metrics)  # rollout/*, reward/* and timing/reward_s: scored when the round ran
         metrics.update(self.dataset.metrics())
         metrics.update({"timing/rollout_s": done.metrics.get("rollout/step_s", 0.0), "timing/rollout_wait_s": waited,
-                        "timing/reward_s": time.monotonic() - t0})
+                        "timing/experience_s": time.monotonic() - t0})
         # What the driver costs rank 0's step (every rank waits for rank 0 at the scatter): its own
         # time here, not counting the wait for rollout, and the CPU its rollout thread used since the
         # previous step, concurrently with training (HTTP, reply parsing, the buffer).
@@ -273,7 +291,7 @@ class Driver:
         try:
             return {"step": step, "version": version, "data": self.dataset.state_dict(),
                     "rollout": self.producer.manager.state_dict(), "rounds": self.producer.state_dict(),
-                    "run": self.record}
+                    "sampling": self.sampler.state_dict(), "run": self.record}
         finally:
             self.producer.resume()
 
@@ -315,7 +333,8 @@ class Follower:
 
 
 class SampleLedger:
-    """`samples.jsonl`: per step, the prompts drawn and the groups trained (rank 0).
+    """`samples.jsonl`: per step, the prompts drawn, the groups trained and the groups dropped for equal
+    rewards (`rollout.dynamic_sampling`) (rank 0).
 
     Lets a user (and the kill-and-resume test) check that no prompt is lost or trained twice across
     restarts: a resumed run first drops the killed run's lines after its checkpoint. With rollout
@@ -331,8 +350,9 @@ class SampleLedger:
         elif resume_step is None and path.exists():
             path.unlink()
 
-    def record(self, step: int, prompts: list[Any], groups: list[Any]) -> None:
+    def record(self, step: int, prompts: list[Any], groups: list[Any], dropped: list[Any] = ()) -> None:
         line = {"step": step, "drawn": [p.index for p in prompts],
-                "trained": [[g.group_id, g.prompt.index] for g in groups]}
+                "trained": [[g.group_id, g.prompt.index] for g in groups],
+                "dropped": [[g.group_id, g.prompt.index] for g in dropped]}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")

@@ -1,19 +1,26 @@
-"""Finished rollout groups -> the actor's batch: rewards, group advantages, filtering, tensors.
+"""Finished rollout groups -> rewards (`score_groups`) -> the actor's batch (`build_experience`).
 
-Design section 3 steps 4-5. Runs on the driver rank only; the result is broadcast to the actor ranks.
-Rows are prompt-major (the G samples of a group are adjacent), right-padded, and every per-token
-tensor is aligned to the token: the value at `[b, t]` concerns `input_ids[b, t]`.
+Design section 3 steps 4-5, on the driver rank only. Rewards are computed once per sample, when its
+group finishes, by `score_groups`: the rollout producer calls it (`rollout.dynamic_sampling` needs
+each group's rewards before it decides what to train), and the reward rides on the sample
+(`Sample.reward`, checkpointed with it) to `build_experience`, which turns the groups the step
+trains into advantages and tensors. Rows are prompt-major (the G samples of a group are adjacent),
+right-padded, and every per-token tensor is aligned to the token: the value at `[b, t]` concerns
+`input_ids[b, t]`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
 from megatron_bapo.algorithms import dr_grpo_advantages, grpo_advantages, uniform_group_mask
 from megatron_bapo.rewards import score_batch
+from megatron_bapo.rewards.overlong import overlong_penalty
 from megatron_bapo.rewards.types import REWARD_FN_FAILURES
 from megatron_bapo.rollout.batch import build_batch
 
@@ -30,32 +37,55 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, eps
     return grpo_advantages(rewards, group_size, normalize_std=True, eps=eps)
 
 
-def build_experience(
-    groups: Sequence[Any],
-    tokenizer: Any,
-    reward_cfg: Any,
-    adv_cfg: Any,
-    *,
-    n_minibatches: int = 1,
-    temperature: float = 1.0,
-    routed_experts_shape: Optional[tuple[int, int]] = None,
-) -> tuple[Optional[dict[str, Any]], dict[str, float]]:
-    """Score, compute advantages, filter; returns (batch or None, `rollout/*` + `experience/*` metrics).
+@dataclass
+class RewardStats:
+    """What `score_groups` measured, summable over the calls of one step (`add`), then `metrics()`."""
 
-    `groups` are `megatron_bapo.rollout.RolloutGroup`s with all samples finished. The reward of each
-    sample is stored on it (`sample.reward`) so callers can log or dump it. `temperature` is the
-    sampling temperature of the rollouts; the batch carries it (`batch["temperature"]`) so the actor
-    computes log-probs of the same distribution the behavior log-probs came from.
-    `routed_experts_shape` (num_layers, top_k): the batch carries the samples' recorded MoE routing
-    (`routed_experts`, for the actor's routing replay and `moe/*` metrics).
+    rewards: list[float] = field(default_factory=list)
+    """The rewards training sees (task reward + overlong penalty), per sample."""
+    task_rewards: list[float] = field(default_factory=list)
+    """The reward function's scores (accuracy counts those >= 1)."""
+    penalties: list[float] = field(default_factory=list)
+    num_failed: int = 0
+    num_fn_failures: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: "RewardStats") -> None:
+        self.rewards += other.rewards
+        self.task_rewards += other.task_rewards
+        self.penalties += other.penalties
+        self.num_failed += other.num_failed
+        self.num_fn_failures += other.num_fn_failures
+        self.seconds += other.seconds
+
+    def metrics(self) -> dict[str, float]:
+        """`rollout/reward_*`, `rollout/accuracy`, `reward/*` over every sample scored (none: counts only)."""
+        out = {"reward/num_failed": float(self.num_failed), "reward/num_fn_failures": float(self.num_fn_failures),
+               "timing/reward_s": self.seconds}
+        if self.rewards:
+            rewards = torch.tensor(self.rewards, dtype=torch.float64)
+            out.update({
+                "rollout/reward_mean": float(rewards.mean()),
+                "rollout/reward_std": float(rewards.std(unbiased=False)),
+                "rollout/accuracy": sum(r >= 1.0 for r in self.task_rewards) / len(self.task_rewards),
+                "reward/overlong_penalty_mean": sum(self.penalties) / len(self.penalties),
+                "reward/num_overlong_penalized": float(sum(p < 0 for p in self.penalties)),
+            })
+        return out
+
+
+def score_groups(groups: Sequence[Any], tokenizer: Any, reward_cfg: Any, *, max_response_tokens: int) -> RewardStats:
+    """Score every sample of `groups` (finished `RolloutGroup`s) and store its reward on it.
+
+    `sample.reward` = the reward function's score of the decoded response + DAPO's overlong penalty
+    (`reward.overlong_buffer_tokens` over `max_response_tokens`; `rewards.overlong`). Raises
+    `RewardFailure` when the reward function itself failed on more than `reward.max_failure_rate`
+    of the responses (a warning below that). Returns the step's statistics.
     """
-    metrics: dict[str, float] = {"experience/num_groups": float(len(groups))}
-    if not groups:
-        return None, metrics
-    group_size = len(groups[0].samples)
-    if any(len(g.samples) != group_size for g in groups):
-        raise ValueError(f"build_experience: groups of different sizes {sorted({len(g.samples) for g in groups})}")
+    started = time.monotonic()
     samples = [s for g in groups for s in g.samples]
+    if not samples:
+        return RewardStats()
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     answers = [g.prompt.answer for g in groups for _ in g.samples]
     scores = score_batch(reward_cfg.fn, texts, answers, num_workers=reward_cfg.num_workers, detailed=False,
@@ -70,23 +100,53 @@ def build_experience(
             raise RewardFailure(f"{message}. Fix reward.fn (a failure scores 0, so training on it would learn "
                                 f"nothing), or raise reward.max_failure_rate={reward_cfg.max_failure_rate}")
         logger.warning(message)
-    rewards = torch.tensor(scores.rewards, dtype=torch.float64)
-    for s, r in zip(samples, scores.rewards):
-        s.reward = float(r)
-    metrics.update({
-        "rollout/reward_mean": float(rewards.mean()),
-        "rollout/reward_std": float(rewards.std(unbiased=False)),
-        "rollout/accuracy": float((rewards >= 1.0).double().mean()),
-        "reward/num_failed": float(scores.num_failed),
-        "reward/num_fn_failures": float(len(fn_failures)),
-    })
+    penalties = [overlong_penalty(s.response_length, max_response_tokens, reward_cfg.overlong_buffer_tokens,
+                                  reward_cfg.overlong_penalty) for s in samples]
+    for s, r, p in zip(samples, scores.rewards, penalties):
+        s.reward = float(r) + p
+    return RewardStats(rewards=[s.reward for s in samples], task_rewards=[float(r) for r in scores.rewards],
+                       penalties=penalties, num_failed=scores.num_failed, num_fn_failures=len(fn_failures),
+                       seconds=time.monotonic() - started)
+
+
+def zero_variance(group: Any) -> bool:
+    """Every sample of the (scored) group has the same reward: GRPO's advantages are all 0."""
+    rewards = [s.reward for s in group.samples]
+    return all(r == rewards[0] for r in rewards)
+
+
+def build_experience(
+    groups: Sequence[Any],
+    tokenizer: Any,
+    adv_cfg: Any,
+    *,
+    n_minibatches: int = 1,
+    temperature: float = 1.0,
+    routed_experts_shape: Optional[tuple[int, int]] = None,
+) -> tuple[Optional[dict[str, Any]], dict[str, float]]:
+    """Advantages and tensors of the groups a step trains; returns (batch or None, `experience/*` metrics).
+
+    `groups` are scored `RolloutGroup`s (`score_groups`: every sample has its `reward`), the ones
+    `rollout.dynamic_sampling` kept. `temperature` is the sampling temperature of the rollouts; the
+    batch carries it (`batch["temperature"]`) so the actor computes log-probs of the same
+    distribution the behavior log-probs came from. `routed_experts_shape` (num_layers, top_k): the
+    batch carries the samples' recorded MoE routing (`routed_experts`).
+    """
+    metrics: dict[str, float] = {"experience/num_groups": float(len(groups))}
+    if not groups:
+        metrics["experience/num_samples"] = 0.0
+        return None, metrics
+    group_size = len(groups[0].samples)
+    if any(len(g.samples) != group_size for g in groups):
+        raise ValueError(f"build_experience: groups of different sizes {sorted({len(g.samples) for g in groups})}")
+    samples = [s for g in groups for s in g.samples]
+    if any(s.reward is None for s in samples):
+        raise ValueError("build_experience: a sample has no reward; score the groups first (experience.score_groups)")
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     advantages = group_advantages(rewards, group_size, adv_cfg.estimator, adv_cfg.eps)
-    uniform = uniform_group_mask(rewards, group_size)
-    metrics["experience/uniform_group_frac"] = float(uniform.double().mean())
+    # Groups trained with advantage 0 on every token (0 under rollout.dynamic_sampling filter / refill).
+    metrics["experience/num_zero_variance_groups"] = float(uniform_group_mask(rewards, group_size).sum())
     keep_rows = list(range(len(samples)))
-    if adv_cfg.filter_uniform_groups:
-        keep_rows = [i for i in keep_rows if not bool(uniform[i // group_size])]
-        metrics["experience/num_groups_filtered"] = float(uniform.sum())
     usable = len(keep_rows) - len(keep_rows) % n_minibatches
     if usable < len(keep_rows):
         # Mini-batches must be equal in size; drop whole trailing rows rather than pad with fakes.

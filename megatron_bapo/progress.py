@@ -44,10 +44,11 @@ def why_no_update(metrics: dict[str, float]) -> str:
     if (n := int(metrics.get("rollout/num_groups_failed", 0))) > 0:
         reasons.append(f"{n} group(s) failed (4xx)")
     groups = int(metrics.get("experience/num_groups", 0))
-    if "experience/num_groups" in metrics and groups == 0:
+    filtered = int(metrics.get("experience/num_groups_filtered", 0))
+    if "experience/num_groups" in metrics and groups == 0 and filtered:
+        reasons.append(f"all {filtered} finished group(s) filtered (equal rewards, rollout.dynamic_sampling)")
+    elif "experience/num_groups" in metrics and groups == 0:
         reasons.append(f"no group finished ({int(metrics.get('rollout/buffer_groups', 0))} still generating)")
-    elif groups and int(metrics.get("experience/num_groups_filtered", 0)) >= groups:
-        reasons.append(f"all {groups} finished group(s) filtered (uniform rewards, advantage.filter_uniform_groups)")
     elif groups and not metrics.get("experience/num_samples"):
         reasons.append(f"{groups} finished group(s) but no usable sample")
     if metrics.get("actor/num_optimizer_steps"):

@@ -78,6 +78,11 @@ POLICY: dict[str, tuple[str, str]] = {
     "rollout.num_builtin_servers": (APPLIED, _SERVERS),
     "rollout.builtin_server_dtype": (APPLIED, _SERVERS),
     "rollout.builtin_server_decode_delay_ms": (APPLIED, _SERVERS),
+    "rollout.engine": (APPLIED, "the resumed run starts servers of the new engine and gives them the checkpoint's "
+                                "weights, as at any start (both speak the same API)"),
+    **{f"rollout.sglang.{name}": (APPLIED, _SERVERS)
+       for name in ("python", "device", "gpu_ids", "tp_size", "dtype", "mem_fraction_static", "max_total_tokens",
+                    "extra_args")},
     "rollout.client.urls": (APPLIED, _SERVERS),
     "rollout.client.router_url": (APPLIED, _SERVERS),
     "rollout.client.max_concurrency": (APPLIED, _SERVERS),
@@ -93,6 +98,9 @@ POLICY: dict[str, tuple[str, str]] = {
     "rollout.client.api_key": (APPLIED, "never recorded (masked); whatever is set now is sent"),
     "rollout.max_failed_group_rate": (APPLIED, _LIVE),
     "rollout.max_server_restarts": (APPLIED, _LIVE),
+    "rollout.dynamic_sampling": (APPLIED, "the first resumed step keeps, drops or refills under the new mode; groups an "
+                                          "earlier refill carried over (scored, in the buffer) are trained first"),
+    "rollout.max_refill_rounds": (APPLIED, _LIVE),
     "rollout.agent.tools": (APPLIED, "calls made after the resume run against the new list (a pending call to a tool "
                                      "no longer listed gets the unknown-tool error message, as any such call does)"),
     "rollout.agent.max_turns": (APPLIED, "buffered multi-turn samples end at the new limit"),
@@ -108,9 +116,12 @@ POLICY: dict[str, tuple[str, str]] = {
     "reward.num_workers": (APPLIED, _LIVE),
     "reward.timeout_s": (APPLIED, _LIVE),
     "reward.max_failure_rate": (APPLIED, _LIVE),
+    "reward.overlong_buffer_tokens": (APPLIED, "shapes groups scored after the resume (buffered groups already scored "
+                                               "keep their reward)"),
+    "reward.overlong_penalty": (APPLIED, "shapes groups scored after the resume (buffered groups already scored keep "
+                                         "their reward)"),
     "advantage.estimator": (APPLIED, _LIVE),
     "advantage.eps": (APPLIED, _LIVE),
-    "advantage.filter_uniform_groups": (APPLIED, _LIVE),
     "actor.optim.name": (REFUSED, "the saved optimizer state belongs to the old optimizer"),
     "actor.optim.lr": (APPLIED, _SCHEDULE),
     "actor.optim.min_lr": (APPLIED, _SCHEDULE),
@@ -141,6 +152,14 @@ POLICY: dict[str, tuple[str, str]] = {
     "actor.ppo_epochs": (APPLIED, _LIVE),
     "actor.search_scope": (APPLIED, _LIVE),
     "actor.loss_agg": (APPLIED, _LIVE),
+    "actor.policy_loss": (APPLIED, "the loss (and what the bound search balances) of every optimizer step after the "
+                                   "resume; the optimizer state carries over"),
+    **{f"actor.{loss}.{name}": (APPLIED, "the loss and the bound search read it every optimizer step")
+       for loss, names in (("dppo", ("divergence", "delta_low", "delta_high", "ratio_cap", "high_max", "high_step",
+                                     "low_min", "low_step")),
+                           ("cispo", ("c_low", "c_high")), ("sapo", ("tau_pos", "tau_neg")))
+       for name in names},
+    "actor.overlong_filter": (APPLIED, _LIVE),
     "actor.use_distributed_optimizer": (REFUSED, "the saved optimizer state has the other layout"),
     "actor.seed": (REFUSED, "the checkpoint restores the RNG streams seeded with the old value, so the new one "
                             "would not take effect"),

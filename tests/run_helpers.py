@@ -25,6 +25,11 @@ def parity_reward(response: str, answer: str) -> float:
 
 def broken_reward(response: str, answer: str) -> float:
     raise KeyError("answer_format")
+
+
+def char_sum_reward(response: str, answer: str) -> float:
+    # A coin flip per response (its characters): some groups score all alike, most do not.
+    return float(sum(map(ord, response)) % 2 == 0)
 '''
 
 

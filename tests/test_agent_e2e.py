@@ -6,10 +6,11 @@
    round boundaries inside turns and between a turn and its call (partial rollout), and state
    round-tripped through JSON between rounds.
 2. The trainer CLI with `rollout.agent`: a tool that hangs, raises or prints megabytes on most calls,
-   rollout one step ahead, partial rollout; the run finishes, counts the failures and evaluates
-   through the agent loop.
+   rollout one step ahead, partial rollout, DAPO's refill (`rollout.dynamic_sampling`); the run
+   finishes, counts the failures, refills from multi-turn groups and evaluates through the agent loop.
 
-Parametrized by engine so the live-SGLang engine (issue 31's `rollout.engine`) joins when it lands.
+The first runs against both engines: the built-in server (seeded) and live SGLang 0.5.23 on CPU
+(`.venv-sglang`; no seeds: SGLang's deterministic mode needs GPU attention kernels).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import pytest
 
 from agent_helpers import make_tool_model, tokenizer, write_plugins
+from contract_helpers import SGLANG_PYTHON
 from megatron_bapo.metrics import read_jsonl_metrics
 from megatron_bapo.rollout import PartialRolloutConfig, PartialRolloutManager, Prompt, RolloutClient, RolloutClientConfig
 from megatron_bapo.rollout.agent import AgentConfig, AgentLoop, ToolConfig
@@ -42,8 +44,9 @@ def tool_assets(tmp_path_factory):
     return root, model
 
 
-@pytest.mark.parametrize("engine", ["builtin"])
+@pytest.mark.parametrize("engine", ["builtin", "sglang"])
 def test_agent_loop_sends_the_exact_ids_to_a_real_server(tool_assets, tmp_path, engine):
+    from megatron_bapo.rollout.sglang_launch import SGLangLaunchConfig, start_sglang_server
     from megatron_bapo.server.launch import start_server
 
     root, model = tool_assets
@@ -51,16 +54,23 @@ def test_agent_loop_sends_the_exact_ids_to_a_real_server(tool_assets, tmp_path, 
     prompts = [Prompt(TOK.encode(p), index=i) for i, p in enumerate(["482*375=", "123*456=", "907*118="])]
     agent = AgentLoop(AgentConfig(tools=[ToolConfig("calculator", "calculator")], max_turns=3), TOK)
     config = PartialRolloutConfig(group_size=2, max_response_tokens=96, segment_tokens=24, max_staleness=None)
-    server = start_server(model, extra_args=["--enable-deterministic-inference", "--num-threads", "1"])
+    if engine == "builtin":
+        server, seed = start_server(model, extra_args=["--enable-deterministic-inference", "--num-threads", "1"]), 7
+    else:
+        if not SGLANG_PYTHON.exists():
+            pytest.fail(f"{SGLANG_PYTHON} is missing: run bash tools/install.sh --with-sglang (tools/run_tests.sh does)")
+        server, seed = start_sglang_server(SGLangLaunchConfig(python=str(SGLANG_PYTHON), device="cpu"),
+                                           model_path=str(model), log_path=tmp_path / "sglang.log",
+                                           random_seed=0), None
     try:
         with RecordingProxy(server.url, records) as proxy, RolloutClient(RolloutClientConfig(urls=[proxy.url])) as client:
-            m = PartialRolloutManager(client, config, seed=7, agent=agent)
+            m = PartialRolloutManager(client, config, seed=seed, agent=agent)
             done = m.step(prompts, 0).groups
             for _ in range(10):
                 if not m.buffer:
                     break
                 state = json.loads(json.dumps(m.state_dict()))  # a checkpoint between every two rounds
-                m = PartialRolloutManager(client, config, seed=7, agent=agent)
+                m = PartialRolloutManager(client, config, seed=seed, agent=agent)
                 m.load_state_dict(state)
                 done += m.step([], 0).groups
     finally:
@@ -90,6 +100,7 @@ def test_cli_run_with_a_misbehaving_tool_finishes_and_counts_it(tool_assets, tmp
         "data": {"path": str(root / "train.jsonl"), "apply_chat_template": False, "max_prompt_tokens": 32},
         "rollout": {"group_size": 4, "prompts_per_step": 2, "max_response_tokens": 96, "segment_tokens": 48,
                     "max_staleness": 3, "client": {"health_timeout_s": 180},
+                    "dynamic_sampling": "refill", "max_refill_rounds": 1,
                     "agent": {"tools": [{"name": "calculator", "fn": "tool_plugins_mod:flaky"}], "max_turns": 2,
                               "tool_timeout_s": 1.0, "max_result_chars": 200}},
         "reward": {"fn": "arithmetic_final", "num_workers": 0},
@@ -103,6 +114,12 @@ def test_cli_run_with_a_misbehaving_tool_finishes_and_counts_it(tool_assets, tmp
              for k in ("num_tool_calls", "num_tool_timeouts", "num_tool_errors", "num_tool_truncated")}
     assert total["num_tool_calls"] > 0 and total["num_tool_timeouts"] + total["num_tool_errors"] > 0, total
     assert any("rollout/turns_mean" in r and "rollout/model_tokens_mean" in r for r in records)
+    refill = [r for r in records if "rollout/refill_rounds" in r]
+    assert len(refill) == 4 and all(r["rollout/refill_rounds"] <= 1 for r in refill), refill
+    # Each step trains 2 informative groups unless its one refill round found too few (and says so) or
+    # a group was found too stale when the trainer took the round (regenerated).
+    assert all(r.get("experience/num_groups", 0) == 2 or r["rollout/refill_cap_hit"] == 1
+               or r.get("rollout/num_regenerated", 0) > 0 for r in refill), refill
     evals = [r for r in records if "eval/t/tool_call_rate" in r]
     assert [r["step"] for r in evals] == [0, 4] and all(0 <= r["eval/t/tool_call_rate"] <= 1 for r in evals)
     state = json.loads((out / "checkpoints" / "step_000004" / "trainer.json").read_text())

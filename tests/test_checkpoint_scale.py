@@ -128,6 +128,7 @@ def test_a_checkpoint_aborts_the_round_in_flight_and_keeps_its_tokens(tiny_hf_di
 
     from megatron_bapo.rollout import PartialRolloutConfig, PartialRolloutManager, RolloutClient, RolloutClientConfig
     from megatron_bapo.rollout.config import SamplingConfig
+    from megatron_bapo.rollout.dynamic_sampling import rollout_round
     from megatron_bapo.rollout.producer import RolloutProducer
     from megatron_bapo.server.launch import start_server
 
@@ -138,7 +139,8 @@ def test_a_checkpoint_aborts_the_round_in_flight_and_keeps_its_tokens(tiny_hf_di
                                       sampling=SamplingConfig(ignore_eos=True))
         manager = PartialRolloutManager(client, config)
         prompts = [Prompt(prompt_ids=[5 + i, 6, 7], index=i) for i in range(4)]
-        producer = RolloutProducer(client, manager, lambda: prompts, ahead=1, served_version=lambda: 0)
+        producer = RolloutProducer(client, manager, rollout_round(manager, lambda: prompts), ahead=1,
+                                   served_version=lambda: 0)
         producer.start()
 
         def generated() -> int:

@@ -16,13 +16,14 @@ pytest.importorskip("megatron.core")
 from test_actor_helpers import TINY_QWEN2, full_params, make_batch  # noqa: E402
 
 
-def _actor(dist_opt=True):
+def _actor(dist_opt=True, **parallel):
     from megatron_bapo.actor import ActorConfig, OptimConfig
     from megatron_bapo.actor.actor import Actor
+    from megatron_bapo.models.parallel import ParallelConfig
 
     cfg = ActorConfig(
         optim=OptimConfig(name="adam", lr=1e-3, decay_style="cosine", decay_steps=10, weight_decay=0.01, clip_grad=1.0),
-        max_tokens_per_microbatch=60, use_distributed_optimizer=dist_opt,
+        max_tokens_per_microbatch=60, use_distributed_optimizer=dist_opt, parallel=ParallelConfig(**parallel),
     )
     return Actor(cfg, TINY_QWEN2)
 
@@ -156,6 +157,96 @@ def test_dp2_checkpoint_loads_at_dp1(run_dist, dp2_run):
     # magnify that where |grad| ~ eps, so the continuation is compared at the DP-vs-DP tolerance.
     for name, want in ref[0]["params"].items():
         torch.testing.assert_close(r["params"][name], want, atol=1e-5, rtol=0, msg=name)
+
+
+# ---------------------------------------------------------------------------- d. tied embeddings under PP
+# TP 2 x PP 2 with the tiny Qwen2's tied embeddings: megatron keeps the shared embedding in a grad bucket
+# of its own, so on the first stage it follows the layer bucket and the padding that ends it (64
+# elements, one embedding row, at this size). megatron-core 0.16.1 saved its optimizer state one row
+# over (actor/distopt_state.py, 6); the resume then trained on shifted embeddings.
+TP2_PP2 = dict(tp=2, pp=2)
+
+
+def _bucket_shifts(actor) -> list[int]:
+    """Per grad bucket: the padding before it (its offset in the buffer minus the unpadded sizes before it)."""
+    shifts = []
+    for buffer in actor.optimizer.chained_optimizers[0].buffers:
+        unpadded = 0
+        for bucket in buffer.buckets:
+            shifts.append(bucket.offset - unpadded)
+            unpadded += bucket.numel_unpadded
+    return shifts
+
+
+def _pp_uninterrupted(rank, world_size, ckpt):
+    actor = _actor(**TP2_PP2)
+    for i in range(2):
+        actor.train_step(_batch(i))
+    actor.save_checkpoint(ckpt)
+    saved = {"params": full_params(actor), "state": _optimizer_state(actor)}
+    metrics = actor.train_step(_batch(2))
+    return {"saved": saved, "metrics": metrics, "params": full_params(actor), "shifts": _bucket_shifts(actor),
+            "stage": actor.parallel.pp_rank}
+
+
+def _pp_resumed(rank, world_size, ckpt):
+    actor = _actor(**TP2_PP2)
+    actor.load_checkpoint(ckpt)
+    loaded = {"params": full_params(actor), "state": _optimizer_state(actor)}
+    metrics = actor.train_step(_batch(2))
+    return {"loaded": loaded, "metrics": metrics, "params": full_params(actor)}
+
+
+def test_tp2_pp2_tied_embeddings_resume_equals_never_stopping(run_dist, tmp_path):
+    """Every rank's weights and Adam moments come back exactly as saved, and the next step equals the
+    uninterrupted run's (it did not: the first stage's embedding came back one row over)."""
+    ckpt = str(tmp_path / "ckpt")
+    ref = run_dist(_pp_uninterrupted, 4, ckpt, timeout=240)
+    # The case under test: the first stage's embedding bucket starts after padding (shift 64).
+    assert [r["shifts"] for r in ref if r["stage"] == 0] == [[0, 64]] * 2, [r["shifts"] for r in ref]
+    res = run_dist(_pp_resumed, 4, ckpt, timeout=240)
+    for r_ref, r in zip(ref, res):
+        for name, want in r_ref["saved"]["params"].items():
+            torch.testing.assert_close(r["loaded"]["params"][name], want, atol=0, rtol=0, msg=name)
+        _assert_moments(r["loaded"]["state"]["moments"], r_ref["saved"]["state"]["moments"], atol=0)
+        assert r["metrics"]["actor/loss"] == r_ref["metrics"]["actor/loss"]
+        assert r["metrics"]["actor/grad_norm"] == r_ref["metrics"]["actor/grad_norm"]
+        for name, want in r_ref["params"].items():
+            torch.testing.assert_close(r["params"][name], want, atol=0, rtol=0, msg=name)
+
+
+def _pp_save_with_megatrons_slicing(rank, world_size, ckpt):
+    """A checkpoint as megatron_bapo wrote it before the fix: megatron's own fully_reshardable slicing."""
+    from megatron_bapo.actor import distopt_state
+
+    distopt_state._param_state = lambda opt, *args: type(opt).sharded_param_state_fully_reshardable(opt, *args)
+    actor = _actor(**TP2_PP2)
+    actor.train_step(_batch(0))
+    actor.save_checkpoint(ckpt)
+
+
+def _pp_load_refused(rank, world_size, ckpt):
+    actor = _actor(**TP2_PP2)
+    try:
+        actor.load_checkpoint(ckpt)
+    except ValueError as exc:
+        error = str(exc)
+    else:
+        error = None
+    actor.load_checkpoint(ckpt, load_optimizer=False)  # the weights themselves are right
+    return error, actor.parallel.pp_rank
+
+
+def test_a_checkpoint_with_shifted_optimizer_state_is_refused(run_dist, tmp_path):
+    """The load checks the checkpoint's fp32 main weights against its model weights: one written with
+    megatron-core's slicing is refused on every rank, each naming its copy of the tied embedding (the
+    last stage's reads the first stage's saved state) and nothing else; its weights still load."""
+    ckpt = str(tmp_path / "shifted")
+    run_dist(_pp_save_with_megatrons_slicing, 4, ckpt, timeout=240)
+    for error, stage in run_dist(_pp_load_refused, 4, ckpt, timeout=240):
+        assert error is not None and "load_optimizer=False" in error, error
+        named = "embedding.word_embeddings.weight" if stage == 0 else "output_layer.weight"
+        assert f"4 parameter(s) differ from the model's; on this rank: module.{named}." in error, error
 
 
 # ---------------------------------------------------------------------------- fresh optimizer

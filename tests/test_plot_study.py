@@ -71,3 +71,36 @@ def test_runs_with_mismatch_metrics_get_a_mismatch_table(tmp_path):
     assert row.split("|")[2].strip() == f"{statistics.fmean(means):.2e} +- {statistics.stdev(means):.2e}"
     assert row.split("|")[-2].strip() == "-"  # masked share never logged
     assert (out / "mismatch.png").stat().st_size > 1000
+
+
+def test_runs_with_dynamic_sampling_get_an_algorithms_table(tmp_path):
+    """Eval before / after with 95% t-intervals over seeds, updated steps, groups per updated step,
+    refill rounds and cap hits, wall time."""
+    for name, (before, after) in (("s1", (0.1, 0.5)), ("s2", (0.2, 0.4)), ("s3", (0.1, 0.6))):
+        writer = MetricsWriter(tmp_path / name / "tb")
+        for step in range(0, 11):
+            scalars = {"train/updated": float(step != 1), "timing/step_s": 6.0, "rollout/zero_variance_frac": 0.25,
+                       "rollout/refill_rounds": 2.0, "rollout/refill_cap_hit": float(step == 3),
+                       "experience/num_groups": 16.0 if step != 1 else 0.0, "bapo/rho_before": 0.3,
+                       "bapo/rho_after": 0.4}
+            if step in (0, 5, 10):
+                scalars["eval/t/avg@4"] = {0: before, 5: (before + after) / 2, 10: after}[step]
+            writer.log(step, scalars)
+        writer.close()
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(ROOT / "tools/plot_study.py"), "--out", str(out), "--runs",
+                          f"refill={tmp_path / 's1'},{tmp_path / 's2'},{tmp_path / 's3'}"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    text = (out / "table.md").read_text()
+    row = next(line for line in text.split("Policy losses and dynamic sampling")[1].splitlines()
+               if line.startswith("| refill")).split("|")[2:-1]
+    cells = [c.strip() for c in row]
+    ends = [statistics.fmean([(0.1 + 0.5) / 2, 0.5]), statistics.fmean([0.3, 0.4]), statistics.fmean([0.35, 0.6])]
+    half = 4.303 * statistics.stdev(ends) / 3 ** 0.5
+    m = statistics.fmean(ends)
+    assert cells[1] == f"{m:.3f} [{m - half:.3f}, {m + half:.3f}]"
+    assert cells[0].startswith("0.133 [") and cells[4] == "0.30 / 0.40"
+    assert cells[5] == "10.0 of 11" and cells[6] == "16.0" and cells[7] == "0.25" and cells[8] == "2.00"
+    assert cells[9] == "1.0" and cells[10] == "1.1"  # 11 steps x 6 s
+    assert (out / "refill_rounds.png").stat().st_size > 1000 and (out / "zero_variance.png").stat().st_size > 1000

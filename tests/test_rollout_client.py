@@ -342,6 +342,7 @@ def test_producer_runs_ahead_and_hands_rounds_over_as_they_are():
     new rounds with the version the servers serve (`served_version`), and hands every finished group
     over as it is: staleness is judged per token when it is trained (the driver's `mask_stale_tokens`),
     never by sending a finished group back."""
+    from megatron_bapo.rollout.dynamic_sampling import rollout_round
     from megatron_bapo.rollout.producer import RolloutProducer
 
     with fake_servers(1) as (urls, _), client_for(urls) as client:
@@ -350,7 +351,8 @@ def test_producer_runs_ahead_and_hands_rounds_over_as_they_are():
         manager = PartialRolloutManager(client, cfg)
         todo = prompts(8)
         served = [0]  # what the servers serve (the server pool's version in the trainer)
-        producer = RolloutProducer(client, manager, lambda: [todo.pop(0)], ahead=2, served_version=lambda: served[0])
+        producer = RolloutProducer(client, manager, rollout_round(manager, lambda: [todo.pop(0)]), ahead=2,
+                                   served_version=lambda: served[0])
         client.update_weights_from_disk("ckpt/a0", 0)
         producer.start()
         first, _ = producer.next()

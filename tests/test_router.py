@@ -30,7 +30,8 @@ def cluster(tiny_hf_dir, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("router") / "router.log"
     proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
-                             str(port), "--worker-urls", *[w.url for w in workers], "--policy", "round_robin",
+                             str(port), "--prometheus-port", str(free_port()),  # not the shared default 29000
+                             "--worker-urls", *[w.url for w in workers], "--policy", "round_robin",
                              "--log-level", "warn"], stdout=open(log, "w"), stderr=subprocess.STDOUT)
     router = f"http://127.0.0.1:{port}"
     try:

@@ -38,6 +38,14 @@ def test_yaml_overrides_and_preset(tmp_path):
         ("actor.n_minibatches=3", "actor.n_minibatches"),
         ("sync.method=nccl", "sync.method"),
         ("advantage.estimator=ppo", "advantage.estimator"),
+        ("actor.policy_loss=reinforce", "policy_loss"),
+        ("actor.dppo.divergence=js", "actor.dppo"),
+        ("actor.cispo.c_high=0.9", "actor.cispo"),
+        ("actor.sapo.tau_pos=-1", "actor.sapo"),
+        ("rollout.dynamic_sampling=drop", "rollout.dynamic_sampling"),
+        ("rollout.max_refill_rounds=0", "rollout.max_refill_rounds"),
+        ("reward.overlong_buffer_tokens=-1", "reward.overlong_buffer_tokens"),
+        ("advantage.filter_uniform_groups=true", "rollout.dynamic_sampling: filter"),  # moved, same behaviour
     ],
 )
 def test_bad_values_name_the_field(override, needle):
@@ -69,12 +77,31 @@ def test_required_paths():
                                                                    "trainer.async_steps=3"]),
     # Routing replay replays what the servers return only when asked to.
     (["actor.routing_replay=true"], ["actor.routing_replay=true", "rollout.return_routed_experts=true"]),
+    # SAPO's gates are soft: an adaptive preset has no bound to move; the surrogate sums are PPO's.
+    (["actor.policy_loss=sapo"], ["policy_loss=sapo", "bapo_preset: grpo"]),
+    (["actor.policy_loss=dppo", "bapo_preset=bapo-paper"], ["policy_loss=dppo", "contribution='surrogate'"]),
+    # The overlong penalty's ramp must end at the response limit.
+    (["reward.overlong_buffer_tokens=2000"], ["reward.overlong_buffer_tokens=2000", "rollout.max_response_tokens=1024"]),
 ])
 def test_combinations_that_cannot_work_are_refused_naming_the_fields(overrides, needles):
     with pytest.raises(ConfigError) as info:
         load_run_config(None, BASE + overrides)
     for needle in needles:
         assert needle in str(info.value)
+
+
+def test_the_new_losses_and_dynamic_sampling_load_with_workable_settings():
+    cfg = load_run_config(None, BASE + ["actor.policy_loss=dppo", "rollout.dynamic_sampling=refill",
+                                        "reward.overlong_buffer_tokens=256", "actor.overlong_filter=true"])
+    assert cfg.actor.objective.name == "dppo" and cfg.actor.bapo.is_adaptive  # balanced DPPO
+    assert cfg.rollout.dynamic_sampling == "refill" and cfg.rollout.max_refill_rounds == 8
+    for loss in ("sapo", "cispo", "dppo"):
+        assert load_run_config(None, BASE + [f"actor.policy_loss={loss}", "bapo_preset=grpo"]).actor.policy_loss == loss
+    assert load_run_config(None, BASE).rollout.dynamic_sampling == "off"  # today's behaviour by default
+    # An unquoted `off` is YAML's false: it means "off", in a file and on the command line.
+    assert load_run_config(None, BASE + ["rollout.dynamic_sampling=off"]).rollout.dynamic_sampling == "off"
+    with pytest.raises(ConfigError, match="rollout.dynamic_sampling"):
+        load_run_config(None, BASE + ["rollout.dynamic_sampling=on"])
 
 
 def test_a_per_token_staleness_cap_below_a_responses_span_loads():

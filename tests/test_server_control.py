@@ -112,6 +112,7 @@ def test_pause_abort_holds_new_requests_until_continue(server):
     assert running.result(timeout=60)[1]["meta_info"]["finish_reason"]["type"] == "abort"
     held = bg(url + "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3}})
     assert http(url + "/health_generate", method="GET")[0] == 503
+    assert http(url + "/health", method="GET")[0] == 503  # as SGLang 0.5.23's probe answers while paused (seen live)
     assert http(url + "/flush_cache")[0] == 200
     assert not held.done() and loads(url)["num_running_reqs"] == 0
     assert http(url + "/continue_generation", {})[1]["message"] == "Generation continued successfully."
@@ -205,7 +206,7 @@ def test_weight_version_is_read_at_reply_time(server, tiny_hf_dir):
     assert status == 200 and out["meta_info"]["weight_version"] == "v2"
     status, reply = http(url + "/update_weight_version", {"new_version": "v3"})
     assert reply == {"success": True, "message": "Success", "new_version": "v3"}
-    assert http(url + "/get_weight_version", method="GET")[1] == {"weight_version": "v3"}
+    assert http(url + "/model_info", method="GET")[1]["weight_version"] == "v3"
 
 
 def test_update_without_pause_waits_or_aborts_inflight(server, tiny_hf_dir):
@@ -259,10 +260,10 @@ def test_broken_checkpoint_update_rolls_back(server, tiny_hf_dir, tmp_path):
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # truncated weights, valid config
     before = greedy_lp(server.url, [8, 9], 6)
-    version = http(server.url + "/get_weight_version", method="GET")[1]["weight_version"]
+    version = http(server.url + "/model_info", method="GET")[1]["weight_version"]
     status, reply = http(server.url + "/update_weights_from_disk", {"model_path": str(broken), "weight_version": "x"})
     assert status == 400 and reply["success"] is False
-    assert http(server.url + "/get_weight_version", method="GET")[1]["weight_version"] == version
+    assert http(server.url + "/model_info", method="GET")[1]["weight_version"] == version
     assert greedy_lp(server.url, [8, 9], 6) == before
 
 

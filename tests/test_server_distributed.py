@@ -103,9 +103,15 @@ def test_nccl_without_cuda_and_unknown_group_are_rejected(server):
     status, out = http(server.url + "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2})
     assert status == 400 and "gloo" in out["message"]
-    status, out = http(server.url + "/update_weights_from_distributed", {
-        "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
-    assert status == 400 and "nope" in out["error"]["message"]
+    body = {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"}
+    status, out = http(server.url + "/update_weights_from_distributed", body)  # no session: refused first (SGLang)
+    assert status == 400 and out["success"] is False and "begin_weight_update()" in out["message"]
+    assert http(server.url + "/begin_weight_update", {})[0] == 200
+    try:
+        status, out = http(server.url + "/update_weights_from_distributed", body)
+        assert status == 400 and "nope" in out["error"]["message"]
+    finally:
+        assert http(server.url + "/end_weight_update", {})[0] == 200
 
 
 def test_sender_syncs_two_servers_in_one_group(server, tiny_hf_dir, tmp_path):
@@ -133,7 +139,7 @@ def test_sender_syncs_two_servers_in_one_group(server, tiny_hf_dir, tmp_path):
         for url in (server.url, second.url):
             ids, lps = served_logprobs(url, prompt, 6)
             torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_logprobs(new, prompt, ids)), atol=1e-4, rtol=0)
-            assert http(url + "/get_weight_version", method="GET")[1] == {"weight_version": "s1"}
+            assert http(url + "/model_info", method="GET")[1]["weight_version"] == "s1"
 
 
 def test_update_outside_a_session_is_refused(server, other_model):
@@ -206,7 +212,7 @@ def test_a_group_is_rebuilt_under_its_name_on_both_sides(server, other_model):
                 client.run(client.aend_weight_update())
             finally:
                 sender.close()
-            assert http(server.url + "/get_weight_version", method="GET")[1] == {"weight_version": f"r{attempt}"}
+            assert http(server.url + "/model_info", method="GET")[1]["weight_version"] == f"r{attempt}"
     prompt = [31, 32, 33]
     ids, lps = served_logprobs(server.url, prompt, 5)
     torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_logprobs(other_model, prompt, ids)), atol=1e-4, rtol=0)

@@ -6,8 +6,9 @@
 # Idempotent: a second run only re-checks the install (a few seconds).
 #
 #   bash tools/install.sh                # .venv: what the quick start needs, as requirements.lock pins it
-#   bash tools/install.sh --with-sglang  # also .venv-sglang: the pinned SGLang's request definitions,
-#                                        # which tests/test_sglang_conformance.py checks against (the tests)
+#   bash tools/install.sh --with-sglang  # also .venv-sglang: the real SGLang server (pins.env's version) on
+#                                        # CPU, what rollout.engine=sglang runs and the test suite's live tier
+#                                        # and conformance check use (sglang_cpu/README.md; ~3.4 GB, minutes)
 set -euo pipefail
 WITH_SGLANG=0
 for arg in "$@"; do
@@ -70,21 +71,40 @@ if [ "$LOCKED" = 1 ] && ! "$VENV/bin/python" tools/check_lock.py --lock "$LOCK" 
 fi
 [ "$WITH_SGLANG" = 1 ] || exit 0
 
-# .venv-sglang: the pinned SGLang's request definitions for tests/test_sglang_conformance.py.
-# `sglang` without its dependencies (they are CUDA builds), plus what the modules the check loads
-# import: msgspec, pydantic, numpy and the CPU torch from local disk (never a CUDA download).
-# shellcheck source=pins.env
-source pins.env
-SGLANG_VENV=${SGLANG_VENV:-.venv-sglang}
-sstamp="$SGLANG_VENV/.sglang_defs_installed"
-if [ -f "$sstamp" ] && [ "$sstamp" -nt pins.env ]; then
-  exit 0
-fi
-if [ ! -x "$SGLANG_VENV/bin/python" ]; then
-  "$PYTHON" -m venv "$SGLANG_VENV"
-fi
-SPIP=("$SGLANG_VENV/bin/python" -m pip --disable-pip-version-check -q)
-echo "[install] $SGLANG_VENV: sglang==$SGLANG_VERSION (--no-deps), msgspec, pydantic, torch==$TORCH_CPU_VERSION (CPU)"
-"${SPIP[@]}" install "torch==$TORCH_CPU_VERSION" numpy msgspec pydantic
-"${SPIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
-touch "$sstamp"
+# ---------------------------------------------------------------------------------------------------------
+# .venv-sglang: the real SGLang server (`python -m sglang.launch_server --device cpu`) at pins.env's version,
+# on the CPU torch. One venv serves rollout.engine=sglang, the live contract tests and the conformance check
+# (tools/sglang_conformance.py reads SGLang's own definitions from it). What goes in, and why
+# (sglang_cpu/README.md): sglang_cpu/requirements.txt, SGLang's Requires-Dist minus the CUDA-only ones,
+# resolved once and frozen, installed with --no-deps after the CPU torch from local disk (so nothing can pull
+# a CUDA torch); torchvision made importable beside the CPU torch (sglang_cpu/torchvision_cpu.py); the
+# project's pure-torch sgl_kernel stand-in on the path (a .pth file naming sglang_cpu/site).
+install_sglang_server() {
+  # shellcheck source=pins.env
+  source pins.env
+  local venv=${SGLANG_VENV:-.venv-sglang} lock=sglang_cpu/requirements.txt
+  local stamp="$venv/.sglang_server_installed"
+  if [ -f "$stamp" ] && [ "$stamp" -nt pins.env ] && [ "$stamp" -nt "$lock" ] \
+     && [ "$stamp" -nt sglang_cpu/torchvision_cpu.py ]; then
+    return 0
+  fi
+  local locked
+  locked=$(sed -n 's/^sglang==//p' "$lock")
+  if [ "$locked" != "$SGLANG_VERSION" ]; then
+    echo "[install] $lock is for sglang==$locked but pins.env says $SGLANG_VERSION: regenerate it" \
+         "(sglang_cpu/README.md)" >&2
+    exit 2
+  fi
+  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+  local spip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+  echo "[install] $venv: sglang==$SGLANG_VERSION on torch==$TORCH_CPU_VERSION (CPU) from $lock (a few minutes)"
+  "${spip[@]}" install "torch==$TORCH_CPU_VERSION"
+  "${spip[@]}" install --no-deps -r "$lock"
+  "$venv/bin/python" sglang_cpu/torchvision_cpu.py
+  local site
+  site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "$PWD/sglang_cpu/site" > "$site/megatron_bapo_sglang_cpu.pth"
+  "$venv/bin/python" sglang_cpu/requirements.py --check --torch-version "$TORCH_CPU_VERSION"
+  touch "$stamp"
+}
+install_sglang_server

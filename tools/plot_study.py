@@ -1,13 +1,16 @@
-"""Summarise and plot a staleness study: several presets, each run with one or more seeds.
+"""Summarise and plot a study of the tiny task: several arms (presets, losses, ...), each run with one or more seeds.
 
     python tools/plot_study.py --out results/staleness_study \
         --runs grpo=runs/study/grpo/s1,runs/study/grpo/s2 bapo=runs/study/bapo/s1,runs/study/bapo/s2
 
 Reads each run's `tb/metrics.jsonl` (written by the trainer). Writes `table.md` (per preset: eval
 accuracy at the start, at the end and its best, each as mean +- std over seeds with the per-seed
-values; final train reward, entropy and clip bounds; and, when the runs log `mismatch/*`, a second
-table of the training-inference mismatch and the importance corrections) and small PNGs (seed-mean curves with a
-min-max band) to `--out`. A single seed is a valid input; the std column then reads 0.
+values; final train reward, entropy and clip bounds; when the runs log `mismatch/*`, a second
+table of the training-inference mismatch and the importance corrections; when they log
+`rollout/zero_variance_frac` (dynamic sampling), a third of eval before / after with 95% intervals,
+entropy, positive contribution, updated steps, trained groups, refill and wall time) and small PNGs
+(seed-mean curves with a min-max band) to `--out`. A single seed is a valid input; the std column
+then reads 0.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ PLOTS = {
     "mismatch.png": ("KL(rollout || train) by version lag (lag 0: mismatch only)",
                      ["mismatch/kl_k3", "mismatch/lag1/kl_k3", "mismatch/lag3plus/kl_k3"]),
     "correction.png": ("Importance correction (recompute): mean weight", ["correction/weight_mean"]),
+    "zero_variance.png": ("Share of finished groups with equal rewards", ["rollout/zero_variance_frac"]),
+    "trained_groups.png": ("Groups trained per step", ["experience/num_groups"]),
+    "refill_rounds.png": ("Refill rounds per step (rollout.dynamic_sampling: refill)", ["rollout/refill_rounds"]),
 }
 LOG_SCALE = {"mismatch.png"}
 """Plots whose values span orders of magnitude (lag-0 mismatch vs drift)."""
@@ -136,6 +142,72 @@ def _mismatch_table(runs: dict[str, list[list[dict]]]) -> list[str]:
     return lines
 
 
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+"""Two-sided 95% Student t quantiles by degrees of freedom (seeds - 1)."""
+
+
+def _interval(values: list[float]) -> str:
+    """`mean [lo, hi]`: the 95% t-interval of the mean over seeds (one seed: the value alone)."""
+    if not values:
+        return "-"
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return f"{mean:.3f}"
+    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / len(values) ** 0.5
+    return f"{mean:.3f} [{mean - half:.3f}, {mean + half:.3f}]"
+
+
+def _mean_of(records: list[dict], tag: str, where=None) -> float | None:
+    s = _series(records, tag)
+    vals = [v for k, v in sorted(s.items()) if where is None or where(k)]
+    return statistics.fmean(vals) if vals else None
+
+
+def _algorithms_table(runs: dict[str, list[list[dict]]]) -> list[str]:
+    """Per arm: eval before / after (95% t-intervals over seeds), entropy (last 10 steps), positive
+    contribution before / after the balance search (mean over steps), steps that updated, groups
+    trained per updated step, zero-variance share, refill rounds and cap hits per step, wall time."""
+    lines = ["| arm | eval before | eval after (mean of last 2 evals) | after - before | entropy last 10 | "
+             "rho before / after | updated steps | groups / updated step | zero-var share | refill rounds / step | "
+             "refill cap hits | wall min |", "|---|" + "---|" * 11]
+    for name, seeds in runs.items():
+        cols: dict[str, list[float]] = {k: [] for k in ("before", "after", "gain", "entropy", "rho_b", "rho_a", "updated",
+                                                          "groups", "zero", "refill", "caps", "wall")}
+        for records in seeds:
+            ev = _series(records, "eval/*/avg@*")
+            ev_values = [ev[k] for k in sorted(ev)]
+            if len(ev_values) >= 2:
+                cols["before"].append(ev_values[0])
+                cols["after"].append(statistics.fmean(ev_values[-2:]))
+                cols["gain"].append(cols["after"][-1] - cols["before"][-1])
+            entropy = _series(records, "actor/entropy")
+            if entropy:
+                cols["entropy"].append(statistics.fmean([entropy[k] for k in sorted(entropy)][-10:]))
+            updated = _series(records, "train/updated")
+            cols["updated"].append(sum(updated.values()))
+            for key, tag, where in (("rho_b", "bapo/rho_before", None), ("rho_a", "bapo/rho_after", None),
+                                    ("groups", "experience/num_groups", lambda k: updated.get(k)),
+                                    ("zero", "rollout/zero_variance_frac", None), ("refill", "rollout/refill_rounds", None)):
+                value = _mean_of(records, tag, where)
+                if value is not None:
+                    cols[key].append(value)
+            caps = _series(records, "rollout/refill_cap_hit")
+            if caps:
+                cols["caps"].append(sum(caps.values()))
+            cols["wall"].append(sum(_series(records, "timing/step_s").values()) / 60)
+
+        def mean(key: str, fmt: str = ".3f") -> str:
+            return f"{statistics.fmean(cols[key]):{fmt}}" if cols[key] else "-"
+
+        steps = max((len(_series(r, "train/updated")) for r in seeds), default=0)
+        lines.append(
+            f"| {name} | {_interval(cols['before'])} | {_interval(cols['after'])} | {_interval(cols['gain'])} | "
+            f"{mean('entropy')} | {mean('rho_b', '.2f')} / {mean('rho_a', '.2f')} | {mean('updated', '.1f')} of {steps} | "
+            f"{mean('groups', '.1f')} | {mean('zero', '.2f')} | {mean('refill', '.2f')} | {mean('caps', '.1f')} | "
+            f"{mean('wall', '.1f')} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", required=True, help="name=run_dir[,run_dir...] (one dir per seed)")
@@ -191,6 +263,9 @@ def main() -> None:
     if any("mismatch/kl_k3" in r for seeds in runs.values() for records in seeds for r in records):
         lines += ["", "Training-inference mismatch (means over the steps that log each metric):", ""]
         lines += _mismatch_table(runs)
+    if any("rollout/zero_variance_frac" in r for seeds in runs.values() for records in seeds for r in records):
+        lines += ["", "Policy losses and dynamic sampling (intervals: 95% over seeds; the other columns: seed means):", ""]
+        lines += _algorithms_table(runs)
     (out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 

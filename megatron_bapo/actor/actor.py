@@ -6,9 +6,10 @@ weights: the old policy's log-probs, the importance corrections (`algorithms.imp
 `mismatch/*` metrics (`actor.mismatch`). Then per mini-batch:
   1. (search_scope "minibatch") forward-only pass over the mini-batch for the current log-probs
      (the first step reuses the recompute pass: the same weights, the same forward);
-  2. `search_clip_bounds` on the last pipeline stage over the DP x CP group (one collective); a
+  2. the bound search (`search_clip_bounds`, or the balance of `actor.policy_loss`'s trust region:
+     `algorithms.objective`) on the last pipeline stage over the DP x CP group (one collective); a
      non-finite result is a flag reduced over the pipeline group, and every stage skips together;
-  3. megatron's `get_forward_backward_func()` over token-budget micro-batches with `policy_loss`;
+  3. megatron's `get_forward_backward_func()` over token-budget micro-batches with the policy loss;
   4. grad norm; a non-finite one skips the step on every rank; else optimizer + LR schedule step.
 The ratio's reference is the behavior log-probs (`old_logprobs: rollout`; the first step's loss
 forward then also measures the mismatch) or the recomputed ones. The per-step inputs of the loss
@@ -55,7 +56,6 @@ from megatron_bapo.actor.old_policy import recomputed_entries
 from megatron_bapo.actor.optimizer_step import grad_norm_or_skip, step_with_norm
 from megatron_bapo.actor.passes import ModelPasses
 from megatron_bapo.actor.scatter import BatchSpec, MiniBatchWork, PreparedBatch, RankBatch, RankCoords
-from megatron_bapo.algorithms import clamped_log_ratio, policy_loss, search_clip_bounds
 from megatron_bapo.models.parallel import ParallelGroups, initialize_model_parallel
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,8 @@ class StepInputs:
     denominator: float
     """Aggregation denominator over the loss-token count (`MiniBatchWork.denominator`)."""
     bounds: Optional[tuple[float, float]] = None
-    """(c_low, c_high) of the step; None: searched per micro-batch inside the loss (search_scope microbatch)."""
+    """(c_low, c_high) of the step (the policy loss's (lower, upper) trust-region parameters); None:
+    searched per micro-batch inside the loss (search_scope microbatch)."""
 
 
 class Actor(ModelPasses):
@@ -110,6 +111,7 @@ class Actor(ModelPasses):
             dp_size=self.parallel.dp_size, max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
             n_minibatches=cfg.n_minibatches, ppo_epochs=cfg.ppo_epochs, loss_agg=cfg.loss_agg,
             microbatch_multiple=pc.pp if pc.vpp else 1, common_shape=bool(pc.vpp), moe=self.moe_shape is not None,
+            overlong_filter=cfg.overlong_filter,
         )
 
     @property
@@ -198,12 +200,12 @@ class Actor(ModelPasses):
         return g if dist.get_world_size(g) > 1 else None
 
     def _search(self, lp, ref, beh, adv, mask, weights, acc: MetricSums):
-        """Bounds for the ratio exp(lp - ref) (ref: behavior or recomputed old log-probs), each token's
-        contribution weighted by its importance correction as in the loss."""
-        ratio = torch.exp(clamped_log_ratio(lp.detach().float(), ref) * mask)
+        """The step's trust-region parameters of `actor.policy_loss` (BAPO's bounds for ppo_clip) for the
+        ratio exp(lp - ref) (ref: behavior or recomputed old log-probs), each token's contribution
+        weighted by its importance correction as in the loss."""
         # Not raised here: only this (last) stage knows; `_minibatch_step` agrees with the other stages.
-        res = search_clip_bounds(ratio, adv, mask, self.config.bapo, rollout_logprobs=beh, token_weights=weights,
-                                 group=self._search_group(), raise_nonfinite=False)
+        res = self.config.objective.search(lp.detach().float(), ref, adv, mask, rollout_logprobs=beh,
+                                           token_weights=weights, group=self._search_group(), raise_nonfinite=False)
         acc.add_search(res.c_low, res.c_high, res.rho_initial, res.rho, res.num_steps)
         return res
 
@@ -229,9 +231,9 @@ class Actor(ModelPasses):
         if bounds is None:  # search_scope "microbatch": one collective per micro-batch, same count on all ranks
             res = self._search(lp, ref, beh, adv, mask, is_weights, acc)
             bounds = (res.c_low, res.c_high)
-        loss, stats = policy_loss(
-            lp, ref, adv, mask, bounds[0], bounds[1], dual_clip=self.config.bapo.dual_clip,
-            token_weights=weights if is_weights is None else weights * is_weights, denominator=step.denominator,
+        loss, stats = self.config.objective.loss(
+            lp, ref, adv, mask, bounds, token_weights=weights if is_weights is None else weights * is_weights,
+            denominator=step.denominator,
         )
         maskd = mask.double()
         stats["sum_entropy"] = (ent.detach().double() * maskd).sum()

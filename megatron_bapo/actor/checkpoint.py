@@ -15,8 +15,11 @@ local-spec actor) loads into a TE actor (`load_tolerating_extra_state`); nothing
 The distributed optimizer's state goes through `actor.distopt_state`: megatron-core 0.16.1 restores
 it inexactly with torch's Adam (CPU, no Apex/TE) -- every parameter ends up sharing one Adam `step`
 tensor -- and its default format cannot be saved at all; that module explains the root cause and
-saves/loads in the `fully_reshardable` format with the per-parameter step restored, so resume is
-exact on CPU and GPU. Barriers name `actor.parallel.world_group` (all ranks).
+saves/loads in the `fully_reshardable` format with the per-parameter step restored and each
+parameter's state sliced where it lies, so resume is exact on CPU and GPU; before loading that state
+every rank checks that its fp32 weights are the model weights just loaded (one shifted by the
+megatron-core bug that module describes is refused on every rank). Barriers and that check's
+all-reduce name `actor.parallel.world_group` (all ranks).
 """
 
 from __future__ import annotations
@@ -198,6 +201,22 @@ def _apply_optim_config(actor: "Actor") -> None:
             group["momentum"] = oc.sgd_momentum
 
 
+def _check_optimizer_matches_model(actor: "Actor", optimizer_state: dict, path: Path) -> None:
+    """Refuse, on every rank, optimizer state whose fp32 main weights are not the checkpoint's model
+    weights (loaded just before): `distopt_state.mismatched_main_params` says why that happens."""
+    wrong = distopt_state.mismatched_main_params(actor.optimizer, optimizer_state)
+    count = torch.tensor([len(wrong)], dtype=torch.int64, device=actor.device)
+    dist.all_reduce(count, group=actor.parallel.world_group)  # every rank stops, not only those that see it
+    if int(count.item()):
+        here = f"; on this rank: {', '.join(wrong[:4])}" if wrong else ""
+        raise ValueError(
+            f"{path}: its optimizer state does not belong to its model weights: the fp32 main weights of "
+            f"{int(count.item())} parameter(s) differ from the model's{here}. Distributed-optimizer checkpoints "
+            "with several grad buckets (PP > 1 with tied embeddings) written before actor.distopt_state fixed "
+            "megatron-core's fully_reshardable offsets hold shifted optimizer state; their model weights are right: "
+            "load them with load_optimizer=False (a fresh optimizer), or resume an older checkpoint")
+
+
 def load_checkpoint(actor: "Actor", directory: str | os.PathLike, *, load_optimizer: bool = True) -> dict:
     """Load a checkpoint saved by `save_checkpoint`, resharding model/optimizer to this layout.
 
@@ -222,6 +241,7 @@ def load_checkpoint(actor: "Actor", directory: str | os.PathLike, *, load_optimi
     for i, m in enumerate(actor.model):
         load_module_state(m.module, state[_model_key(i, len(actor.model))], tolerate_extra_state=bool(tolerated))
     if load_optimizer:
+        _check_optimizer_matches_model(actor, state["optimizer"], path)
         distopt_state.load_state_dict(actor.optimizer, state["optimizer"])
         _apply_optim_config(actor)
         actor.scheduler.load_state_dict(state["scheduler"])  # lr and weight decay from the config's schedule

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_bapo.actor.mismatch import MismatchConfig
-from megatron_bapo.algorithms import BapoConfig
+from megatron_bapo.algorithms import BapoConfig, CispoConfig, DppoConfig, Objective, SapoConfig
 from megatron_bapo.algorithms.importance import CorrectionConfig
+from megatron_bapo.algorithms.objective import check_policy_loss
 from megatron_bapo.models.layer_spec import LAYER_SPECS
 from megatron_bapo.models.parallel import ParallelConfig
 
@@ -126,6 +127,26 @@ class ActorConfig:
     """Mixture-of-experts models: weight of megatron's load-balancing loss on the router (the
     `aux_loss` type); 0 = off, as RL recipes run it (the reward, not balance, should move the
     router). `moe/load_balance` logs the balance either way."""
+    policy_loss: str = "ppo_clip"
+    """The policy loss: "ppo_clip" (PPO's clip with dual clip, BAPO's bounds), "dppo" (a divergence
+    trust region, `dppo`), "cispo" (a clipped stop-gradient importance weight, `cispo`) or "sapo"
+    (soft gates, `sapo`). An adaptive `bapo` moves DPPO's thresholds and CISPO's cap to BAPO's balance
+    (docs/bapo.md, "Other policy losses"); TIS / MIS corrections multiply every loss's terms."""
+    dppo: DppoConfig = field(default_factory=DppoConfig)
+    """DPPO's divergence, thresholds, importance-weight cap and balance grid (`policy_loss: dppo`)."""
+    cispo: CispoConfig = field(default_factory=CispoConfig)
+    """CISPO's importance-weight bounds (`policy_loss: cispo`)."""
+    sapo: SapoConfig = field(default_factory=SapoConfig)
+    """SAPO's gate temperatures (`policy_loss: sapo`)."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: responses that hit `rollout.max_response_tokens` (truncated) are
+    masked out of the loss and its denominator (their group's advantages still count them);
+    `actor/overlong_filtered_frac` logs the share of rows masked."""
+
+    @property
+    def objective(self) -> Objective:
+        """The policy loss with its configs (`algorithms.objective`)."""
+        return Objective(self.policy_loss, bapo=self.bapo, dppo=self.dppo, cispo=self.cispo, sapo=self.sapo)
 
     def recompute_overrides(self) -> dict:
         """The megatron-core `TransformerConfig` fields for `recompute`."""
@@ -146,6 +167,10 @@ class ActorConfig:
             self.correction = CorrectionConfig(**self.correction)
         if isinstance(self.mismatch, dict):
             self.mismatch = MismatchConfig(**self.mismatch)
+        for name, cls in (("dppo", DppoConfig), ("cispo", CispoConfig), ("sapo", SapoConfig)):
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, cls(**getattr(self, name)))
+        check_policy_loss(self.policy_loss, self.bapo, prefix="ActorConfig.")
         if self.max_tokens_per_microbatch < 1:
             raise ValueError(f"ActorConfig.max_tokens_per_microbatch must be >= 1, got {self.max_tokens_per_microbatch}")
         if self.n_minibatches < 1:

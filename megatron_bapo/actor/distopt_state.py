@@ -23,9 +23,18 @@ cause, in megatron/core/optimizer/distrib_optimizer.py:
    step 0) fails the assert.
 5. The default format `fully_sharded_model_space` uses `ShardedTensor.flattened_range`, which 0.16.1's
    dist_checkpointing rejects on any device (dist_checkpointing/mapping.py:133-134).
+6. `fully_reshardable` saves the wrong slice for every parameter after the first bucket of a grad
+   buffer. `get_parameter_state_dp_zero` packs the buckets back to back WITHOUT the padding that ends
+   each bucket (lines 1104-1118), and `sharded_param_state_fully_reshardable` slices that packing at
+   `param_index_map` offsets, which count the padding (lines 1475-1501; the zero-filled overshoot is
+   its "param range exceeds unpadded buffer" warning, line 1512). A buffer has several buckets when PP > 1 ties
+   the embeddings (megatron puts the shared embedding in a bucket of its own, so that both stages
+   shard it alike): on the first stage the embedding follows the padded layer bucket, so its saved
+   fp32 weights and Adam moments were those of the neighbouring elements (one row over, on the tiny
+   models), and a resume overwrote the loaded weights with them. Upstream fix: Megatron-LM PR 5077.
 
 With TE/Apex FusedAdam (GPU) `step` lives in the param groups, not in per-parameter state, so
-1-4 do not arise there; 5 does.
+1-4 do not arise there; 5 and 6 do.
 
 What we do (no change to megatron-core):
 - save and load with `fully_reshardable`: model-space tensors, so TP/PP/DP may all change on load;
@@ -34,7 +43,13 @@ What we do (no change to megatron-core):
   (so the fresh-optimizer assert in 4 cannot fire and the following step is unchanged);
 - load in megatron's own two stages, but around the parameter-state stage take the per-parameter
   `step` out (so 3 cannot raise) and put back one independent tensor per parameter holding the
-  saved step (fixes 1; 2 does not apply to this format).
+  saved step (fixes 1; 2 does not apply to this format);
+- build the format's per-parameter tensors ourselves (`_param_state`, in place of megatron's
+  `sharded_param_state_fully_reshardable` during our calls): the same keys, shapes and replica ids,
+  sliced at the packed offsets (fixes 6; a megatron-core with the fix packs the same way);
+- check that a checkpoint's fp32 main weights are its model weights (`mismatched_main_params`, which
+  `actor.checkpoint` runs on every rank before loading the optimizer): one written with 6 (by an
+  older megatron_bapo) is refused, naming the parameters, instead of resuming on shifted weights.
 On GPU with TE/Apex FusedAdam there is no per-parameter `step`: both step edits find nothing to do,
 and the load is exactly megatron's `load_state_dict` (param groups, including their `step`, then
 `load_parameter_state_from_fully_reshardable`).
@@ -46,13 +61,14 @@ data-parallel group, expert parameters over the expert-data-parallel group); meg
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
 SHARDING_TYPE = "fully_reshardable"
-# Megatron's default for this format: every DP rank all-gathers its TPxPP shard's state during the
-# save and writes part of it (parallel). True would gather on DP rank 0 over gloo instead.
+# Megatron's default for this format, which `_param_state` always follows: every DP rank all-gathers its
+# TPxPP shard's state during the save and writes part of it (parallel).
 METADATA = {"distrib_optim_sharding_type": SHARDING_TYPE, "distrib_optim_fully_reshardable_mem_efficient": False}
 
 
@@ -88,12 +104,103 @@ def _init_torch_adam_state(opt) -> None:
                 inner.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def _bucket_shifts(buffer) -> list[int]:
+    """Per bucket of a grad buffer: its start in the buffer (what `param_index_map` counts) minus its
+    start in `get_parameter_state_dp_zero`'s packing (buckets back to back, end padding dropped)."""
+    shifts, packed = [], 0
+    for bucket in buffer.buckets:
+        shifts.append(bucket.offset - packed)
+        packed += bucket.numel_unpadded
+    return shifts
+
+
+def _param_state(opt, model_sharded_state_dict: dict, is_loading: bool = False, metadata: Any = None) -> dict:
+    """The `fully_reshardable` parameter state, `{param index: {"param" | "exp_avg" | "exp_avg_sq":
+    ShardedTensor}}` in megatron's parameter order and keys, each tensor sliced where its parameter
+    lies in the packed world tensors (module docstring, 6). On load the tensors are empty templates."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    # Every rank gets the whole DP-gathered state (METADATA's "not mem efficient"): parallel save.
+    world = opt.get_parameter_state_dp_zero(use_gloo_comm=False, empty_data=is_loading, return_on_all_ranks=True)
+    tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    model_entry = {sh.data: sh for sh in nested_values(tensors)}  # the parameter itself -> its checkpoint entry
+    out: dict = {}
+    for gbuf_idx in range(len(opt.gbuf_ranges)):  # megatron's order (its loader counts the same way)
+        buffer = opt.buffers[gbuf_idx]
+        [packed] = world[gbuf_idx].values()  # one dtype per buffer
+        shifts = _bucket_shifts(buffer)
+        for param, (start, end, bucket_id) in buffer.param_index_map.items():
+            entry = model_entry.get(param)
+            if entry is None:
+                raise ValueError(f"{opt._param_name(param)} has no entry in the model's sharded state dict")
+            lo, hi = start - shifts[bucket_id], end - shifts[bucket_id]
+            state = {}
+            for key, flat in packed.items():
+                if key == "numel_unpadded":
+                    continue
+                if hi > flat.numel():
+                    raise RuntimeError(f"{opt._param_name(param)}: elements [{lo}, {hi}) lie outside the optimizer's "
+                                       f"packed state ({flat.numel()} elements); megatron-core's packing changed")
+                data = flat[lo:hi].reshape(entry.data.shape)
+                kwargs = dict(key=f"optimizer.state.{key}.{entry.key}", data=data, replica_id=entry.replica_id)
+                if not isinstance(entry, ShardedTensorFactory):
+                    kwargs["dtype"] = data.dtype
+                state[key] = replace(entry, **kwargs)
+                state[key].validate_metadata_integrity()
+            out[len(out)] = state
+    return out
+
+
 def sharded_state_dict(optimizer, model_sharded_state_dict: dict, *, is_loading: bool) -> dict:
     """`optimizer.sharded_state_dict` in the format above; works on a fresh optimizer too."""
-    for opt in _members(optimizer):
-        if _is_distributed(opt):
-            _init_torch_adam_state(opt)
-    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=METADATA)
+    members = [opt for opt in _members(optimizer) if _is_distributed(opt)]
+    for opt in members:
+        _init_torch_adam_state(opt)
+        # megatron's sharded_state_dict asks this method for the format's parameter state: ours, for this call
+        opt.sharded_param_state_fully_reshardable = partial(_param_state, opt)
+    try:
+        return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=METADATA)
+    finally:
+        for opt in members:
+            del opt.sharded_param_state_fully_reshardable
+
+
+def _mismatched(opt, param_state: dict) -> list[str]:
+    """Names of `opt`'s parameters whose fp32 main weights in `param_state` (as loaded) are not the
+    model's current weights (cast to the model's dtype)."""
+    from megatron.core.fp8_utils import is_float8tensor
+
+    wrong, index = [], 0
+    for gbuf_idx in range(len(opt.gbuf_ranges)):  # the order of `_param_state` and megatron's loader
+        for param in opt.buffers[gbuf_idx].param_index_map:
+            saved = param_state[index].get("param", param_state[index].get("fp32_param"))
+            index += 1
+            if saved is None or is_float8tensor(param):
+                continue
+            if not torch.equal(saved.to(device=param.device, dtype=param.dtype).reshape(param.shape), param.detach()):
+                wrong.append(opt._param_name(param))
+    return wrong
+
+
+def mismatched_main_params(optimizer, state_dict: Any) -> list[str]:
+    """The parameters (on this rank) whose fp32 main weights in a loaded optimizer state are not the
+    model weights the model holds now; call it after loading the same checkpoint's model weights.
+
+    megatron writes the model's weights from the main ones after every step, so in a checkpoint they
+    agree exactly. One written with the offset bug (module docstring, 6: an older megatron_bapo,
+    PP > 1 with tied embeddings) does not: its loader refuses it, naming these, instead of
+    overwriting the loaded weights with their neighbours'. Empty for a non-distributed optimizer.
+    """
+    members = _members(optimizer)
+    if not any(_is_distributed(opt) for opt in members):
+        return []
+    states = [state_dict] if len(members) == 1 else [v for _, v in sorted(state_dict.items())]
+    return [name for opt, state in zip(members, states) if _is_distributed(opt)
+            for name in _mismatched(opt, state["param_state"])]
 
 
 def _load_distributed(opt, state_dict: dict) -> None:

@@ -69,6 +69,8 @@ class MetricSums:
         out["correction/masked_frac"] = sums["num_is_masked"] / num
         k = max(search["num_searches"], 1.0)
         for key in ("c_low", "c_high", "rho_before", "rho_after", "search_steps"):
+            if key in ("c_low", "c_high") and search["num_searches"] > 0 and math.isnan(search[key]):
+                continue  # a loss without bounds (sapo): its balance is measured, nothing is searched
             out[f"bapo/{key}"] = search[key] / k
         return out
 

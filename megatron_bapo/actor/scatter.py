@@ -81,6 +81,8 @@ class BatchSpec:
     """Pad every micro-batch of a pass to one shape (interleaved pipelines exchange a fixed shape)."""
     moe: bool = False
     """A mixture-of-experts model: every stage's routers read `MOE_KEYS`."""
+    overlong_filter: bool = False
+    """Mask the rows the batch marks `truncated` out of the loss (`ActorConfig.overlong_filter`)."""
 
     def layout(self, cp_rank: int) -> MicroBatchLayout:
         return MicroBatchLayout(packed=self.packed, cp_size=self.cp_size, cp_rank=cp_rank, sp_size=self.sp_size)
@@ -162,6 +164,20 @@ def prepare_tensors(batch: dict[str, torch.Tensor], current_version: Optional[in
     return out
 
 
+def overlong_filter(batch: dict[str, Any], data: dict[str, torch.Tensor]) -> dict[str, float]:
+    """DAPO's overlong filtering: zero the loss mask of the rows `batch["truncated"]` (`[B]` bool, from
+    the rollout: the response hit its token limit) marks, in `data`, before any aggregation weight
+    or denominator is computed; returns `actor/overlong_filtered_frac` (rows masked / rows)."""
+    if "truncated" not in batch:
+        raise ValueError("actor.overlong_filter=true needs the batch's `truncated` rows (rollout.batch.build_batch "
+                         "writes them); this batch has none")
+    truncated = torch.as_tensor(batch["truncated"]).reshape(-1).bool()
+    if truncated.numel() != data["loss_mask"].shape[0]:
+        raise ValueError(f"batch['truncated'] has {truncated.numel()} rows, the batch {data['loss_mask'].shape[0]}")
+    data["loss_mask"][truncated] = 0.0
+    return {"actor/overlong_filtered_frac": float(truncated.double().mean()) if truncated.numel() else 0.0}
+
+
 def plan(lengths: list[int], spec: BatchSpec) -> list[list[list[int]]]:
     """`plan[dp_rank][k]`: the rows of micro-batch k of that DP rank (see `batching.plan_microbatches`)."""
     return batching.plan_microbatches(lengths, spec.dp_size, spec.max_tokens_per_microbatch,
@@ -207,6 +223,7 @@ class PreparedBatch:
         self.spec = spec
         self.temperature = check_batch(batch)
         data = prepare_tensors(batch, current_version)
+        filtered = overlong_filter(batch, data) if spec.overlong_filter else {}
         self.num_tokens = int(data["attention_mask"].sum())
         slices = batching.minibatch_slices(data["input_ids"].shape[0], spec.n_minibatches)
         self.schedule = [i for _ in range(spec.ppo_epochs) for i in range(len(slices))]
@@ -225,6 +242,7 @@ class PreparedBatch:
             self.minibatches.append((mini, rows_plan, not finite, denominator))
         self.metrics = staleness_metrics(batch.get("versions"), data["loss_mask"], current_version,
                                          [slices[i] for i in self.schedule])
+        self.metrics.update(filtered)
         self._built: dict[tuple[int, int, int], list[dict]] = {}  # (mini-batch, DP rank, CP rank): its micro-batches
 
     def for_rank(self, coords: RankCoords) -> RankBatch:

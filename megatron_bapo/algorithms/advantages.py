@@ -50,7 +50,7 @@ def dr_grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def uniform_group_mask(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """`[num_groups]` bool, True where every reward of the group is equal (zero advantage: no signal).
 
-    Used for optional group filtering (DAPO-style dynamic sampling).
+    Counted per trained batch (`experience/num_zero_variance_groups`); `rollout.dynamic_sampling` drops them.
     """
     grouped = rewards.view(-1, group_size)
     return (grouped == grouped[:, :1]).all(dim=1)

@@ -155,7 +155,7 @@ def search_clip_bounds(
             "(across the reduction group); check the log-probs and rewards feeding this step"
         )
 
-    k, j, steps = (0, 0, 0) if num_nonfinite else _walk(p_vec, n_vec, config)
+    k, j, steps = (0, 0, 0) if num_nonfinite else walk_path(p_vec, n_vec, config)
     rho_initial = balance_metric(p_vec[0], n_vec[0], config.metric)
     return BoundSearchResult(
         c_low=float(low_grid[j]),
@@ -187,8 +187,10 @@ def reduction_device(group: "torch.distributed.ProcessGroup", device: torch.devi
     return device
 
 
-def _walk(p_vec: list[float], n_vec: list[float], config: BapoConfig) -> tuple[int, int, int]:
-    """Walk the search path over precomputed sums; returns (k, j, num_steps)."""
+def walk_path(p_vec: list[float], n_vec: list[float], config: BapoConfig) -> tuple[int, int, int]:
+    """Walk the search path over precomputed sums; returns (k, j, num_steps). `p_vec[k]` is the
+    positive contribution at the k-th upper bound, `n_vec[j]` the negative one at the j-th lower
+    bound; `config` gives `metric`, `rho0` and `order`."""
     last_k, last_j = len(p_vec) - 1, len(n_vec) - 1
     k = j = steps = 0
 

@@ -35,6 +35,7 @@ def contribution_vectors(
     rollout_logprobs: Optional[torch.Tensor] = None,
     *,
     token_weights: Optional[torch.Tensor] = None,
+    values: Optional[torch.Tensor] = None,
     chunk_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Local (this rank's) `[P (len high_grid), N (len low_grid), extras]` in float64, one pass.
@@ -47,7 +48,15 @@ def contribution_vectors(
     `chunk_size` bounds the temporaries (default: 128k tokens on CPU, where cache-sized chunks are
     several times faster; up to 2^24 tokens on accelerators, where per-chunk token counts are
     still exact in float32).
+
+    `ratio` is the coordinate compared with the grids; `values` (`gradient` only), when given, is
+    what a passing token contributes per unit of `|A|` instead of the coordinate itself: DPPO bins
+    its divergence and counts its importance weight (`algorithms.balance`). `config` is a
+    `BapoConfig` or any object with its `contribution`, `weight`, `dual_clip`, `high_step` and
+    `low_step` (`balance.GridSpec`).
     """
+    if values is not None and config.contribution != "gradient":
+        raise ValueError("contribution_vectors: values are defined for the gradient contribution only")
     device = ratio.device
     num_k, num_j = high_grid.numel(), low_grid.numel()
     binner = _BinIndex(high_grid, low_grid, config, ratio.dtype, device)
@@ -58,6 +67,7 @@ def contribution_vectors(
     flat = [x.detach().reshape(-1) for x in (ratio, advantages, mask)]
     flat.append(rollout_logprobs.detach().reshape(-1) if config.weight == "rollout_prob" else None)
     flat.append(None if token_weights is None else token_weights.detach().reshape(-1))
+    flat.append(None if values is None else values.detach().reshape(-1))
     num_bins = num_k + num_j + 2  # positive bins [0, num_k], negative bins [num_k + 1, num_k + 1 + num_j]
     bins_r = torch.zeros(num_bins, dtype=torch.float64, device=device)
     bins_a = torch.zeros(num_bins, dtype=torch.float64, device=device) if config.contribution == "surrogate" else None
@@ -205,9 +215,9 @@ def _bin_chunk(chunk, config, binner: _BinIndex, ws: dict, bins_r, bins_a, count
     buffers of `ws`: this function is the whole cost of the search. Masked-out and zero-advantage
     tokens get zero weight (wherever their bin is); non-finite values are zeroed so they cannot
     poison the sums, and counted. `chunk`: ratio, advantages, mask, rollout log-probs (or None),
-    token weights (or None).
+    token weights (or None), values (or None: the ratio is the value).
     """
-    r, a, m, lp, tw = chunk
+    r, a, m, lp, tw, v = chunk
     m01, probe, tmp = ws["mask"], ws["probe"], ws["tmp"]
     # mask -> exact 0/1 in the working dtype (any nonzero, NaN included, counts as "in", like bool()).
     if m.dtype == torch.bool:
@@ -216,7 +226,7 @@ def _bin_chunk(chunk, config, binner: _BinIndex, ws: dict, bins_r, bins_a, count
         (torch.abs(m, out=m01) if m.dtype == m01.dtype else m01.copy_(m).abs_()).clamp_(max=1).ceil_().nan_to_num_(1.0)
     # x - x is 0 for finite x and NaN for NaN/inf: one subtraction instead of isfinite's several ops.
     torch.sub(r, r, out=probe).add_(torch.sub(a, a, out=tmp))
-    for extra in (lp, tw):
+    for extra in (lp, tw, v):
         if extra is not None:
             probe.add_(torch.sub(extra, extra, out=tmp))
     rf = torch.nan_to_num(r, 0.0, 0.0, 0.0, out=ws["ratio"])
@@ -242,7 +252,8 @@ def _bin_chunk(chunk, config, binner: _BinIndex, ws: dict, bins_r, bins_a, count
     if tw is not None:
         mag.mul_(torch.where(m01 > 0, tw.nan_to_num(0.0, 0.0, 0.0), 0.0).to(torch.float64))
     # float32 x float32 products are exact in float64, so every rank bins the exact |A| r.
-    bins_r.scatter_add_(0, index, ws["weight"].copy_(rf).mul_(mag))
+    value = ws["weight"].copy_(rf) if v is None else ws["weight"].copy_(v).nan_to_num_(0.0, 0.0, 0.0)
+    bins_r.scatter_add_(0, index, value.mul_(mag))
     if bins_a is not None:
         bins_a.scatter_add_(0, index, mag)
 

@@ -29,6 +29,7 @@ gradient of at most that size (negative advantage without dual clip) or of essen
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -109,67 +110,107 @@ def policy_loss(
             `num_seqs`, `sum_kl_k1`, `sum_kl_k3`, `sum_ratio`, `sum_loss`);
             sum them across micro-batches / ranks, then call `finalize_loss_metrics`.
     """
-    if agg not in AGG_MODES:
-        raise ValueError(f"policy_loss: agg must be one of {AGG_MODES}, got {agg!r}")
-    if not (logprobs.shape == behavior_logprobs.shape == advantages.shape == mask.shape):
-        raise ValueError(
-            "policy_loss: logprobs, behavior_logprobs, advantages and mask must have one shape, got "
-            f"{tuple(logprobs.shape)}, {tuple(behavior_logprobs.shape)}, {tuple(advantages.shape)}, {tuple(mask.shape)}"
-        )
     if not c_low < c_high:
         raise ValueError(f"policy_loss: c_low ({c_low}) must be < c_high ({c_high})")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"policy_loss: dual_clip must be > 1 or None, got {dual_clip}")
-
-    if (token_weights is None) != (denominator is None):
-        raise ValueError("policy_loss: token_weights and denominator go together")
-    maskf = mask.to(logprobs.dtype)
-    keep = mask.to(torch.bool)
-    # Padding may hold arbitrary log-probs; keep them out of exp() so no inf*0 NaN reaches the grad.
-    log_ratio = torch.where(keep, clamped_log_ratio(logprobs, behavior_logprobs), torch.zeros_like(logprobs))
-    ratio = torch.exp(log_ratio)
-    adv = advantages.to(logprobs.dtype)
-
-    pos = keep & (adv > 0)
-    neg = keep & (adv < 0)
-    clipped_pos = pos & (ratio > c_high)
-    clipped_low = neg & (ratio < c_low)
-    dual = neg & (ratio > dual_clip) if dual_clip is not None else torch.zeros_like(neg)
-    passes = keep & ~clipped_pos & ~clipped_low & ~dual
+    t = loss_inputs("policy_loss", logprobs, behavior_logprobs, advantages, mask, agg, token_weights, denominator)
+    clipped_pos = t.pos & (t.ratio > c_high)
+    clipped_low = t.neg & (t.ratio < c_low)
+    dual = t.neg & (t.ratio > dual_clip) if dual_clip is not None else torch.zeros_like(t.neg)
+    passes = t.keep & ~clipped_pos & ~clipped_low & ~dual
 
     # Clipped tokens contribute a constant (no gradient); passing tokens contribute r A.
-    bound = torch.zeros_like(adv).masked_fill(clipped_pos, c_high).masked_fill(clipped_low, c_low)
+    bound = torch.zeros_like(t.adv).masked_fill(clipped_pos, c_high).masked_fill(clipped_low, c_low)
     if dual_clip is not None:
         bound = bound.masked_fill(dual, dual_clip)
-    term = torch.where(passes, ratio * adv, bound * adv)
-    token_loss = -term * maskf
+    term = torch.where(passes, t.ratio * t.adv, bound * t.adv)
+    token_loss = -term * t.maskf
+    loss = aggregate_loss(token_loss, mask, agg, num_global_tokens, num_global_seqs, token_weights, denominator)
+    metrics = ratio_metrics(t, token_loss, num_clipped_pos=clipped_pos, num_clipped_neg=clipped_low,
+                            num_dual_clipped=dual)
+    return loss, metrics
 
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What every policy loss derives from its inputs first (`loss_inputs`)."""
+
+    keep: torch.Tensor
+    """bool: the token is in the loss."""
+    maskf: torch.Tensor
+    """`keep` in the log-probs' dtype."""
+    log_ratio: torch.Tensor
+    """`clamped_log_ratio` on loss tokens, 0 elsewhere (padding never reaches exp())."""
+    ratio: torch.Tensor
+    """exp(log_ratio), differentiable in the log-probs."""
+    adv: torch.Tensor
+    """advantages in the log-probs' dtype."""
+    pos: torch.Tensor
+    """bool: loss token with A > 0."""
+    neg: torch.Tensor
+    """bool: loss token with A < 0."""
+
+
+def loss_inputs(name: str, logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, agg: str, token_weights: Optional[torch.Tensor],
+                denominator: Optional[float]) -> LossInputs:
+    """Checks shared by every policy loss (`name` prefixes the errors) and its per-token inputs.
+
+    Padding may hold arbitrary log-probs (NaN, inf): they are kept out of exp(), so no `inf * 0`
+    NaN reaches a gradient."""
+    if agg not in AGG_MODES:
+        raise ValueError(f"{name}: agg must be one of {AGG_MODES}, got {agg!r}")
+    if not (logprobs.shape == behavior_logprobs.shape == advantages.shape == mask.shape):
+        raise ValueError(
+            f"{name}: logprobs, behavior_logprobs, advantages and mask must have one shape, got "
+            f"{tuple(logprobs.shape)}, {tuple(behavior_logprobs.shape)}, {tuple(advantages.shape)}, {tuple(mask.shape)}"
+        )
+    if (token_weights is None) != (denominator is None):
+        raise ValueError(f"{name}: token_weights and denominator go together")
+    keep = mask.to(torch.bool)
+    log_ratio = torch.where(keep, clamped_log_ratio(logprobs, behavior_logprobs), torch.zeros_like(logprobs))
+    adv = advantages.to(logprobs.dtype)
+    return LossInputs(keep=keep, maskf=mask.to(logprobs.dtype), log_ratio=log_ratio, ratio=torch.exp(log_ratio),
+                      adv=adv, pos=keep & (adv > 0), neg=keep & (adv < 0))
+
+
+def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, agg: str, num_global_tokens: Optional[float],
+                   num_global_seqs: Optional[float], token_weights: Optional[torch.Tensor],
+                   denominator: Optional[float]) -> torch.Tensor:
+    """`sum(w_t loss_t) / D`: with `token_weights` / `denominator` given (the whole mini-batch's
+    `aggregation_weights`), else this call's own weights for `agg` and the global counts when given."""
     if token_weights is None:
         token_weights, denominator = aggregation_weights(mask, agg)
         if agg == "token-mean" and num_global_tokens is not None:
             denominator = num_global_tokens
         elif agg != "token-mean" and num_global_seqs is not None:
             denominator = num_global_seqs
-    loss = (token_weights.to(token_loss.dtype) * token_loss).sum() / _safe(denominator)
+    return (token_weights.to(token_loss.dtype) * token_loss).sum() / _safe(denominator)
 
+
+def ratio_metrics(t: LossInputs, token_loss: torch.Tensor, **counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The detached float64 statistics every loss returns (see `policy_loss`); `counts` are bool
+    masks counted under their names (`num_clipped_pos`, `num_clipped_neg`, `num_dual_clipped`;
+    missing ones count 0)."""
     with torch.no_grad():
-        lr64 = log_ratio.detach().to(torch.float64)
-        m64 = maskf.detach().to(torch.float64)
+        lr64 = t.log_ratio.detach().to(torch.float64)
+        m64 = t.maskf.detach().to(torch.float64)
+        zero = torch.zeros((), dtype=torch.float64, device=m64.device)
         metrics = {
             "num_tokens": m64.sum(),
             "num_seqs": (m64.sum(-1) > 0).sum().to(torch.float64) if m64.dim() > 0 else m64.sum(),
-            "num_pos_tokens": pos.sum().to(torch.float64),
-            "num_neg_tokens": neg.sum().to(torch.float64),
-            "num_clipped_pos": clipped_pos.sum().to(torch.float64),
-            "num_clipped_neg": clipped_low.sum().to(torch.float64),
-            "num_dual_clipped": dual.sum().to(torch.float64),
+            "num_pos_tokens": t.pos.sum().to(torch.float64),
+            "num_neg_tokens": t.neg.sum().to(torch.float64),
+            **{k: counts[k].sum().to(torch.float64) if k in counts else zero
+               for k in ("num_clipped_pos", "num_clipped_neg", "num_dual_clipped")},
             # KL(behavior || current) estimated on behavior samples: k1 = -log r, k3 = r - 1 - log r.
             "sum_kl_k1": (-lr64 * m64).sum(),
             "sum_kl_k3": ((lr64.exp() - 1.0 - lr64) * m64).sum(),
             "sum_ratio": (lr64.exp() * m64).sum(),
             "sum_loss": token_loss.detach().to(torch.float64).sum(),
         }
-    return loss, metrics
+    return metrics
 
 
 def _safe(denom) -> torch.Tensor | float:

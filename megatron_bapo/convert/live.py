@@ -28,6 +28,8 @@ from megatron_bapo.convert.mapping import ModelMapping, ShapeInfo, TensorRule, f
 from megatron_bapo.models.parallel import ParallelGroups, current_groups
 from megatron_bapo.run_state import replace_dir
 
+EMBEDDING_HF = "model.embed_tokens.weight"
+
 logger = logging.getLogger(__name__)
 
 Key = tuple[int, Optional[int], Optional[int]]
@@ -149,7 +151,7 @@ def load_hf_into_model(
         for name, (_, layer, expert), rule, param in named_model_tensors(model_chunks, mapping):
             hf_names = mapping.hf_names(rule, layer, expert)
             if info.tie_word_embeddings and rule.megatron[0] == mapping.tied_megatron:
-                hf_names = ["model.embed_tokens.weight"]  # the last stage's copy of the tied embedding
+                hf_names = [EMBEDDING_HF]  # the last stage's copy of the tied embedding
             full = hf_to_full(rule, [reader.get(n) for n in hf_names], info)
             rank, size = (etp_rank, etp_size) if rule.per_expert else (tp_rank, tp_size)
             part = shard(rule, full, rank, size)
@@ -270,6 +272,7 @@ def iter_hf_tensors(
 
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
+    embedding: Optional[torch.Tensor] = None  # kept for the tied head's copy (`mapping.write_tied_head`)
     for key in order:
         rule = mapping.rules[key[0]]
         names = mapping.hf_names(rule, key[1], key[2])
@@ -295,7 +298,12 @@ def iter_hf_tensors(
         elif pp_size > 1 and gather_to == "all":
             for t in tensors or []:
                 dist.broadcast(t, src=dist.get_global_rank(pp_group, owner), group=pp_group)
-        for n, t in zip(names, tensors or []):
+        named = list(zip(names, tensors or []))
+        if mapping.tied_head_copy(info) and names == [EMBEDDING_HF] and named:
+            embedding = named[0][1]
+        if mapping.tied_head_copy(info) and key is order[-1] and embedding is not None:
+            named.append((mapping.tied_hf, embedding.clone()))  # HF order: the head comes last
+        for n, t in named:
             nbytes = t.numel() * t.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket

@@ -181,6 +181,11 @@ class ModelMapping:
     tied_hf: str = "lm_head.weight"
     ignored_hf: tuple[str, ...] = (r".*\.rotary_emb\.inv_freq$",)
     """Regexes of HF tensors that carry no weights (old checkpoints store RoPE buffers)."""
+    write_tied_head: bool = False
+    """Also write `tied_hf` (a copy of the embedding) when embeddings are tied. For families whose SGLang
+    model ignores `tie_word_embeddings` (0.5.23's `qwen3_moe.py`): served from a checkpoint without it,
+    the output head stays zero and every token gets -log(vocab). Every export (disk sync, distributed
+    sync, offline conversion) writes it; transformers and the built-in server load it as the tied head."""
     _index: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -224,6 +229,10 @@ class ModelMapping:
     def hf_names(self, rule: TensorRule, layer: Optional[int], expert: Optional[int] = None) -> list[str]:
         fields = {"i": layer, "e": expert}
         return [n.format(**{k: v for k, v in fields.items() if "{" + k + "}" in n}) for n in rule.hf]
+
+    def tied_head_copy(self, info: ShapeInfo) -> bool:
+        """Whether exports of this model also write `tied_hf` as a copy of the embedding (`write_tied_head`)."""
+        return bool(info.tie_word_embeddings and self.write_tied_head)
 
     def expected_hf_names(self, info: ShapeInfo) -> list[str]:
         return [n for r, i, e in self.rules_for(info) for n in self.hf_names(r, i, e)]

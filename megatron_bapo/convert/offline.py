@@ -311,6 +311,8 @@ def megatron_to_hf(
                 full = dist_checkpointing.load({"t": sh}, str(mdir), validate_access_integrity=False)["t"]
             for name, t in zip(mapping.hf_names(rule, layer, expert), full_to_hf(rule, full, info)):
                 writer.add(name, t)
+                if name == "model.embed_tokens.weight" and mapping.tied_head_copy(info):
+                    writer.add(mapping.tied_hf, t)  # SGLang's model for this family needs the head
             bar.update(1)
     writer.close()
     write_config(hf_config, tmp, dtype=out_dtype)

@@ -238,6 +238,14 @@ class AgentLoop:
         sample its turns, calls and sampled vs tool tokens."""
         out = {f"rollout/{k}": float(step.get(k, 0)) for k in self.COUNTERS if k != "tool_ms"}
         out["rollout/tool_s"] = step.get("tool_ms", 0) / 1000.0
+        out.update(self.sample_metrics(finished))
+        return out
+
+    @staticmethod
+    def sample_metrics(finished: Sequence[Sample]) -> dict[str, float]:
+        """Per finished sample: turns, calls, sampled vs tool tokens (means; none without samples).
+        `rollout.dynamic_sampling` takes them over all the groups a step finished, across its rounds."""
+        out: dict[str, float] = {}
         if finished:
             states = [s.agent or AgentState() for s in finished]
             n = len(finished)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from megatron_bapo.rollout.types import Sample
+from megatron_bapo.rollout.types import Sample, SampleState
 
 if TYPE_CHECKING:  # torch is imported on use: the client and the stand-in server do not need it
     import torch
@@ -36,7 +36,8 @@ def build_batch(
       0 off the sampled tokens), versions (long; policy version of each sampled token, -1 elsewhere),
       advantages (float32; the sample's scalar advantage on its response tokens, 0 elsewhere),
       only when `advantages` (one value per sample) is given;
-    and `[B]`: prompt_lengths, response_lengths (long), rewards (float32, when given).
+    and `[B]`: prompt_lengths, response_lengths (long), truncated (bool: the response hit its token
+    limit, `SampleState.TRUNCATED`), rewards (float32, when given).
     With `routed_experts_shape = (num_layers, top_k)` (a mixture of experts): routed_experts (int16
     `[B, T, num_layers, top_k]`, each sample's recorded routing at its positions, -1 where none).
     """
@@ -77,7 +78,8 @@ def build_batch(
         prompt_lengths[b], response_lengths[b] = p, r
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
            "behavior_logprobs": logprobs, "versions": versions, "prompt_lengths": prompt_lengths,
-           "response_lengths": response_lengths}
+           "response_lengths": response_lengths,
+           "truncated": torch.tensor([s.state is SampleState.TRUNCATED for s in samples], dtype=torch.bool)}
     if advantages is not None:
         adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
         if adv.numel() != batch_size:

@@ -19,3 +19,8 @@ class RequestRejected(RolloutError):
 class ProtocolError(RolloutError):
     """A reply that does not follow the SGLang API (5xx, non-JSON, tokens without log-probs);
     retried on another server."""
+
+
+class RoundInterrupted(Exception):
+    """A step's rollout stopped between its rounds because the producer was paused with abort (a
+    checkpoint): the step is kept by its sampler and completed when the producer resumes."""

@@ -1,14 +1,19 @@
 """Rank 0's rollout servers and everything that reaches them: the one owner of their life and state.
 
     pool = ServerPool(rollout_config, sync_config, model_path=..., seed=..., log_dir=..., state_path=...)
-    pool.start()                         # built-in servers on loopback unless rollout.client names servers
+    pool.start()                         # rollout.engine servers on loopback unless rollout.client names servers
     pool.client                          # generation, control and evaluation go through it
     pool.version                         # the weight version every server serves (the one place it lives)
     with pool.update(version) as session:            # restart dead servers, check flags, pause, begin
         export.run(version, session)                 # session.load_from_disk(dir) / session.send(bucket)
     # exit: end the session, continue generation; `pool.version` is `version` once it succeeded
-    pool.retry_after_restart(call)       # call(); if it failed because a built-in server died: restart, call again
+    pool.retry_after_restart(call)       # call(); if it failed because a server it started died: restart, call again
     pool.close()                         # abort in flight, leave the weight group, stop the servers it started
+
+Which servers? With `rollout.client.urls` (or `router_url`) empty the pool starts
+`rollout.num_builtin_servers` of `rollout.engine`: built-in servers, or real SGLang servers
+(`rollout.sglang_launch`: CPU, or the GPUs `rollout.sglang.gpu_ids` names), each with the flags
+below, and restarts a crashed one on its port with the served weights, the same way for both.
 
 Who talks to the servers? This class (through its `client`, and its weight group for the
 distributed sync). `megatron_bapo.sync` is what every actor rank does (gather, bucket, write or
@@ -24,12 +29,12 @@ An update follows SGLang 0.5.23 (spec sections 9, 10, 12):
   mismatch between this process and the servers;
 - flush: every update says `flush_cache` explicitly (`weight_update.flushes_cache`): true except
   under the "in_place" pause, where SGLang refuses it; only the last bucket of a distributed update flushes;
-- disk: `/update_weights_from_disk`; a built-in server that died during it is restarted and every
-  server loads the version again (the directory is complete on disk).
+- disk: `/update_weights_from_disk`; a server the pool started that died during it is restarted and
+  every server loads the version again (the directory is complete on disk).
 Before the first update every server's `/server_info` must show the flags the run relies on
 (`required_server_flags`): a seed SGLang would ignore, or KV an in-place pause could not flush, is
-refused there instead of silently changing what is trained. The built-in servers get the same flags
-here, and `examples/run_32b_bapo.sh` passes them to `sglang.launch_server`.
+refused there instead of silently changing what is trained. The servers the pool starts get the
+same flags here, and `examples/run_32b_bapo.sh` passes them to `sglang.launch_server`.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from megatron_bapo import run_state
 from megatron_bapo.config_io import ConfigError
 from megatron_bapo.rollout.client import API_KEY_ENV, RolloutClient
 from megatron_bapo.rollout.errors import RolloutError
+from megatron_bapo.rollout.server_layout import weight_group_ranks
 from megatron_bapo.weight_update import flushes_cache
 
 if TYPE_CHECKING:
@@ -101,15 +107,21 @@ class ServerPool:
                                                   routed_experts=rollout.return_routed_experts)
         self.servers: list[Any] = []
         self.restarts: list[int] = []
-        """Restarts so far of each built-in server (rollout.max_server_restarts bounds them)."""
+        """Restarts so far of each server it started (rollout.max_server_restarts bounds them)."""
         self.num_restarted = 0
         """Servers restarted so far in total: a weight group built before a restart lacks the new one."""
         self.served = ServedWeights(0, None)
         """What every server serves (version 0: `model_path` as started); set by each completed update."""
         self.client: Optional[RolloutClient] = None
+        self._gpus: Optional[list[list[int]]] = None  # each started SGLang server's GPUs (engine sglang on GPUs)
         self._sender: Any = None  # rollout.weight_group.DistributedWeightSender, built at the first update
         self._group_restarts = -1
         self._checked = False
+
+    @property
+    def kind(self) -> str:
+        """What the servers it starts are, for messages: "built-in server" or "SGLang server"."""
+        return "SGLang server" if self.rollout.engine == "sglang" else "built-in server"
 
     @property
     def version(self) -> int:
@@ -119,37 +131,74 @@ class ServerPool:
     # ------------------------------------------------------------------ start / stop
     def start(self) -> RolloutClient:
         client_cfg = self.rollout.client
-        if not client_cfg.urls and not client_cfg.router_url:
+        external = bool(client_cfg.urls or client_cfg.router_url)
+        if external or self.rollout.engine == "sglang":
+            self._refuse_headless_model()
+        if not external:
+            self._gpus = self._server_gpus()
             self.servers = [self._start_server(i) for i in range(self.rollout.num_builtin_servers)]
             self.restarts = [0] * len(self.servers)
             self._write_servers()
             client_cfg = dataclasses.replace(client_cfg, urls=[s.url for s in self.servers])
-            logger.info("built-in rollout servers: %s", ", ".join(client_cfg.urls))
+            logger.info("%s rollout servers: %s", self.rollout.engine, ", ".join(client_cfg.urls))
         self.client = RolloutClient(client_cfg, vocab_size=self.vocab_size, weight_version=self.weight_version)
         self.client.wait_healthy()
         return self.client
 
     def _start_server(self, i: int, port: Optional[int] = None) -> Any:
-        from megatron_bapo.server.launch import start_server
-
+        """Start server `i` of `rollout.engine` (on `port`: a restart keeps its URL) and wait for its
+        health; both engines get the run's flags, seed, version 0 and API key."""
         log_path = self.log_dir / f"server_{i}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        key = self.rollout.client.api_key or os.environ.get(API_KEY_ENV)
+        timeout = self.rollout.client.health_timeout_s
+        if self.rollout.engine == "sglang":
+            from megatron_bapo.rollout.sglang_launch import start_sglang_server
+
+            return start_sglang_server(self.rollout.sglang, model_path=self.model_path, log_path=log_path,
+                                       random_seed=self.seed + i, flags=self.server_flags, port=port, api_key=key,
+                                       gpus=self._gpus[i] if self._gpus else None, startup_timeout_s=timeout)
+        from megatron_bapo.server.launch import start_server
+
         args = ["--random-seed", str(self.seed + i), "--weight-version", "0", "--dtype",
                 self.rollout.builtin_server_dtype, *self.server_flags]
         if self.rollout.builtin_server_decode_delay_ms:
             args += ["--decode-delay-ms", str(self.rollout.builtin_server_decode_delay_ms)]
-        key = self.rollout.client.api_key or os.environ.get(API_KEY_ENV)
         if key:
             args += ["--api-key", key]
-        return start_server(self.model_path, port=port, log_path=log_path, extra_args=args,
-                            startup_timeout_s=self.rollout.client.health_timeout_s)
+        return start_server(self.model_path, port=port, log_path=log_path, extra_args=args, startup_timeout_s=timeout)
+
+    def _refuse_headless_model(self) -> None:
+        """SGLang (the servers it starts, or external ones) would serve `model_path` with a zero output
+        head when it is a tied checkpoint of a family whose SGLang model ignores the tie (Qwen3-MoE):
+        refuse it, naming the fix (exports, and so every synced version, write the head)."""
+        from megatron_bapo.convert.families import headless_for_sglang
+
+        arch = headless_for_sglang(self.model_path)
+        if arch:
+            raise ConfigError(
+                f"model.hf_path={self.model_path} is a {arch} checkpoint with tied embeddings and no lm_head.weight: "
+                f"SGLang's model for it ignores tie_word_embeddings and would serve a zero output head (every token "
+                f"at -log(vocab)); write the head (tools/convert_hf.py --to-megatron, then --to-hf, writes "
+                f"lm_head.weight) or use rollout.engine=builtin")
+
+    def _server_gpus(self) -> Optional[list[list[int]]]:
+        """Each SGLang server's GPUs (`rollout.sglang.gpu_ids`), None for CPU servers."""
+        if self.rollout.engine != "sglang" or self.rollout.sglang.resolved_device() != "cuda":
+            return None
+        import torch
+
+        from megatron_bapo.rollout.sglang_launch import server_gpus
+
+        return server_gpus(self.rollout.sglang, self.rollout.num_builtin_servers,
+                           num_visible=torch.cuda.device_count())
 
     def _write_servers(self) -> None:
         # PIDs on disk: operators (and the kill-and-resume test) can see what this run started.
         run_state.write_json_atomic(self.state_path, [{"url": s.url, "pid": s.pid} for s in self.servers])
 
     def close(self) -> None:
-        """Abort what is in flight, leave the weight group, close the client, stop the built-in servers (by PID)."""
+        """Abort what is in flight, leave the weight group, close the client, stop the servers it started (by PID)."""
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.abort_all()
@@ -169,7 +218,7 @@ class ServerPool:
         return any(not s.alive() for s in self.servers)
 
     def ensure_alive(self, *, updating: bool = False) -> list[str]:
-        """Restart (on the same port) every built-in server whose process died, at most
+        """Restart (on the same port) every server it started whose process died, at most
         `rollout.max_server_restarts` times each, and bring it to the version the others serve.
         `updating`: the caller is about to deliver a new version to every server (a distributed sync
         then needs no copy of the current one). Returns the URLs restarted; raises RolloutError naming
@@ -179,11 +228,11 @@ class ServerPool:
             if server.alive():
                 continue
             if self.restarts[i] >= self.rollout.max_server_restarts:
-                raise RolloutError(f"built-in server {server.url} died again (exit code {server.proc.returncode}) after "
+                raise RolloutError(f"{self.kind} {server.url} died again (exit code {server.proc.returncode}) after "
                                    f"{self.restarts[i]} restart(s) (rollout.max_server_restarts); its log: "
                                    f"{server.log_path}")
             self.restarts[i] += 1
-            logger.warning("built-in server %s (pid %d) died with exit code %s; restarting it (%d of %d)", server.url,
+            logger.warning("%s %s (pid %d) died with exit code %s; restarting it (%d of %d)", self.kind, server.url,
                            server.pid, server.proc.returncode, self.restarts[i], self.rollout.max_server_restarts)
             self.servers[i] = self._start_server(i, port=server.port)
             restarted.append(server.url)
@@ -196,7 +245,7 @@ class ServerPool:
 
     def retry_after_restart(self, call: Callable[[], T], *, updating: bool = False,
                             before_retry: Optional[Callable[[], None]] = None) -> T:
-        """`call()`; when it raises RolloutError because a built-in server died, restart the dead ones
+        """`call()`; when it raises RolloutError because a server it started died, restart the dead ones
         (`ensure_alive`, which brings them to the served version), run `before_retry` and call again.
         The one place a failed call meets a restart: a failure with every server alive (an external
         server, a rejected request), or a server out of restarts, raises."""
@@ -220,18 +269,18 @@ class ServerPool:
             if updating:  # the update about to run gives every server the next version
                 return
             raise RolloutError(
-                f"built-in server(s) {', '.join(restarted)} restarted, but version {version} exists on no disk "
+                f"{self.kind}(s) {', '.join(restarted)} restarted, but version {version} exists on no disk "
                 f"(sync.method=distributed sends weights only during a sync), so they would serve {self.model_path} "
                 f"as version 0; rerun with --resume (the resume's first sync gives every server the checkpoint's "
                 f"weights) or use sync.method=disk")
         if not Path(path).is_dir():
-            raise RolloutError(f"built-in server(s) {', '.join(restarted)} restarted, but version {version}'s "
+            raise RolloutError(f"{self.kind}(s) {', '.join(restarted)} restarted, but version {version}'s "
                                f"weights {path} are gone, so they would serve {self.model_path} as version 0; "
                                f"rerun with --resume (the resume's first sync rewrites them)")
         try:
             self.client.update_weights_from_disk(path, version, only=restarted)
         except RolloutError as exc:
-            raise RolloutError(f"built-in server(s) {', '.join(restarted)} restarted but could not load version "
+            raise RolloutError(f"{self.kind}(s) {', '.join(restarted)} restarted but could not load version "
                                f"{version} from {path}: {exc}") from exc
         logger.info("restarted server(s) %s now serve version %d (%s)", ", ".join(restarted), version, path)
 
@@ -264,7 +313,7 @@ class ServerPool:
                 client.continue_generation()
 
     def _load_from_disk(self, path: Path, version: int) -> None:
-        """Every server loads the complete HF directory `path` as `version`; a built-in server that
+        """Every server loads the complete HF directory `path` as `version`; a started server that
         died during the load is restarted and every server loads it again."""
         where = str(Path(path).absolute())
         flush = flushes_cache(self.sync.pause_mode)
@@ -274,7 +323,7 @@ class ServerPool:
         logger.info("weight sync v%s: %s loaded", version, path)
 
     def _server_infos(self) -> dict[str, dict]:
-        """Every server's `/server_info` (a built-in server can die after `ensure_alive` looked)."""
+        """Every server's `/server_info` (a started server can die after `ensure_alive` looked)."""
         return self.retry_after_restart(lambda: self.client.run(self.client.aget_server_info()), updating=True)
 
     def _check_servers(self) -> None:
@@ -306,7 +355,7 @@ class ServerPool:
         self._clear_stale_groups()
         sender = DistributedWeightSender(self.client, backend=self.sync.backend, master_address=self.sync.master_address,
                                          master_port=int(self.sync.master_port), timeout_s=self.sync.group_timeout_s)
-        sender.connect([int((infos[u] or {}).get("tp_size", 1)) for u in urls])
+        sender.connect(weight_group_ranks(infos, urls))
         self._sender, self._group_restarts = sender, self.num_restarted
 
 

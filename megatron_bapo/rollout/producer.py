@@ -1,12 +1,14 @@
 """Rollout rounds produced ahead of training (`trainer.async_steps`), on the rollout client's loop.
 
-A round is one `PartialRolloutManager.astep`: draw the step's new prompts (unless older groups still
-wait unstarted: `manager.ready_for_prompts`), advance every buffered sample by one segment, collect
-the groups that finished. A sync's "abort" pause ends the round in flight at once (the requests
-running return their partial tokens, the ones still waiting in the client are not sent): the
-trainer takes it without waiting for a tail, and the next round continues every response on the
-new weights. The producer runs rounds as a task on the
-client's event loop and hands them to the trainer thread in order (`next`):
+A round is one step's rollout, `produce(version)`: draw the step's new prompts (unless older groups
+still wait unstarted: `manager.ready_for_prompts`), advance every buffered sample by one segment
+(`PartialRolloutManager.astep`), collect and score the groups that finished and keep the ones the
+step trains (`rollout.dynamic_sampling.DynamicSampler`, which may run more such rounds in the step
+to refill it). A sync's "abort" pause ends the round in flight at once (the requests running return
+their partial tokens, the ones still waiting in the client are not sent): the trainer takes it
+without waiting for a tail, and the next round continues every response on the new weights. The
+producer runs rounds as a task on the client's event loop and hands them to the trainer thread in
+order (`next`):
 
 - pacing: round r may start once the trainer has asked for round r - `ahead`. With `ahead` = 0 a
   round starts only when the trainer asks for it (the synchronous loop: generate, then train); with
@@ -15,14 +17,17 @@ client's event loop and hands them to the trainer thread in order (`next`):
   the manager, which labels tokens with the servers' reported versions. Staleness is judged per
   token when the round is trained (the driver masks tokens older than `rollout.max_staleness`), so
   a finished group is always handed over as it is.
-- results: every round's groups, metrics and rejections are `astep`'s return value; the producer
+- results: every round's groups, metrics and rejections are `produce`'s return value; the producer
   never reads or writes the manager's state.
 - checkpoints: `pause()` lets the running round finish and starts no new one; then `state_dict()`
   holds the finished rounds not yet handed over (prompts, tokens, log-probs, versions) next to the
-  manager's buffer, and nothing is in flight. `resume()` goes on. A restored producer hands the
+  manager's buffer, and nothing is in flight. With `pause(abort=True)` a step that needs more
+  rollout rounds (refill) is interrupted (`RoundInterrupted`) instead of finished: it is not handed
+  over, the sampler keeps it (and checkpoints it), and `resume()` completes it. `resume()` goes on. A restored producer hands the
   saved rounds over first, so no prompt is lost or drawn twice across a kill and resume.
 - errors: a round that fails (RolloutError: every server failed; its groups stay buffered) stops
-  the producer and the trainer's next `next()` raises it, as the synchronous loop would.
+  the producer and the trainer's next `next()` raises it, as the synchronous loop would; the prompts
+  it drew are reported by the round that completes the step (the sampler keeps them).
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional
 
+from megatron_bapo.rollout.errors import RoundInterrupted
 from megatron_bapo.rollout.partial import PartialRolloutManager
-from megatron_bapo.rollout.types import Prompt, RolloutRound
+from megatron_bapo.rollout.types import RolloutRound
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +49,17 @@ __all__ = ["RolloutProducer", "RolloutRound"]
 class RolloutProducer:
     """Produces rounds on `client`'s event loop; the trainer thread calls `next`, `pause`, `resume`."""
 
-    def __init__(self, client: Any, manager: PartialRolloutManager, draw: Callable[[], Sequence[Prompt]], *,
-                 ahead: int, served_version: Callable[[], int]) -> None:
-        """`served_version`: the version the servers serve now (`ServerPool.version`), read when a round starts."""
+    def __init__(self, client: Any, manager: PartialRolloutManager, produce: Callable[[int], Awaitable[RolloutRound]],
+                 *, ahead: int, served_version: Callable[[], int],
+                 interrupt: Optional[Callable[[bool], None]] = None) -> None:
+        """`produce(version)`: one step's round (`DynamicSampler.produce`; `dynamic_sampling.rollout_round`
+        without rewards). `served_version`: the version the servers serve now (`ServerPool.version`),
+        read when a round starts. `interrupt(flag)`: told True by `pause(abort=True)` and False by
+        `resume()` (`DynamicSampler.interrupt`), so that a refilling step stops between its rounds."""
         if ahead < 0:
             raise ValueError(f"RolloutProducer: ahead must be >= 0, got {ahead}")
-        self.client, self.manager, self.draw, self.ahead = client, manager, draw, ahead
-        self.served_version = served_version
+        self.client, self.manager, self.produce, self.ahead = client, manager, produce, ahead
+        self.served_version, self.interrupt = served_version, interrupt
         self.ready: list[RolloutRound] = []
         self.requested = 0
         """Rounds the trainer has asked for (handed over or being waited for)."""
@@ -59,8 +69,6 @@ class RolloutProducer:
         self._error: Optional[BaseException] = None
         self._task: Optional[asyncio.Task] = None
         self._cond = asyncio.Condition()  # binds to the client's loop on first use
-        self._unrecorded: list[Prompt] = []
-        """Prompts drawn by rounds that failed (their groups are buffered); reported by the next round."""
 
     # ------------------------------------------------------------------ the producing task
     async def _run(self) -> None:
@@ -70,15 +78,15 @@ class RolloutProducer:
                 await cond.wait_for(lambda: not self._paused and self.produced < self.requested + self.ahead)
                 self._busy = True
                 version = self.served_version()
-            prompts: list[Prompt] = []
             try:
-                prompts = list(self.draw()) if self.manager.ready_for_prompts() else []
-                done = await self.manager.astep(prompts, version)
-                done.prompts = self._unrecorded + done.prompts
-                self._unrecorded = []
+                done = await self.produce(version)
+            except RoundInterrupted:  # paused with abort mid-step: the sampler keeps the step, resume completes it
+                async with cond:
+                    self._busy = False
+                    cond.notify_all()
+                continue
             except BaseException as exc:  # noqa: BLE001 - handed to the trainer thread by next()
-                # The failed round's prompts are buffered (their groups opened): the next round reports them.
-                self._unrecorded += prompts
+                # The failed round's groups stay buffered; the round that completes the step reports its prompts.
                 async with cond:
                     self._error, self._busy = exc, False
                     cond.notify_all()
@@ -119,6 +127,8 @@ class RolloutProducer:
             self._paused = True
             busy = self._busy
         if abort and busy:  # the round's requests come back now, with the tokens they have (kept, resumed later)
+            if self.interrupt is not None:
+                self.interrupt(True)
             await self.client.aabort_all()
         async with self._cond:
             await self._cond.wait_for(lambda: not self._busy)
@@ -131,6 +141,8 @@ class RolloutProducer:
         self.client.run(self._pause(abort))
 
     async def _resume(self) -> None:
+        if self.interrupt is not None:
+            self.interrupt(False)
         async with self._cond:
             self._paused = False
             self._cond.notify_all()
@@ -158,10 +170,9 @@ class RolloutProducer:
         """JSON-safe: finished rounds not handed over yet (call while paused; the buffer is the manager's)."""
         if self._busy:
             raise RuntimeError("RolloutProducer.state_dict while a round runs; pause() first")
-        return {"ready": [r.to_dict() for r in self.ready], "unrecorded": [p.to_dict() for p in self._unrecorded]}
+        return {"ready": [r.to_dict() for r in self.ready]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Before `start()`: the saved rounds are handed over first, in order."""
         self.ready = [RolloutRound.from_dict(r) for r in state.get("ready", [])]
-        self._unrecorded = [Prompt.from_dict(p) for p in state.get("unrecorded", [])]
         self.produced = len(self.ready)

@@ -126,7 +126,7 @@ class Sample:
     """Times the sample was thrown away for exceeding max_staleness and started again."""
     error: Optional[str] = None
     reward: Optional[float] = None
-    """Filled by the trainer."""
+    """The reward training sees (`experience.score_groups`, when the group finished); None until then."""
     routed_experts: bytes = b""
     """Mixture-of-experts routing: int16 little-endian `[rows, routed_width]` (row p: the experts every
     MoE layer chose for position p of prompt + response, `num_layers x top_k` ids), rows 0..n-1
@@ -176,6 +176,7 @@ class Sample:
         self.response_ids, self.response_logprobs, self.response_versions = [], [], []
         self.state, self.finish_reason, self.num_segments = SampleState.PENDING, None, 0
         self.routed_experts, self.routed_width = b"", 0
+        self.reward = None
         if self.agent is not None:
             self.agent = AgentState()
 
@@ -259,13 +260,17 @@ class RolloutRound:
     metrics: dict[str, float] = field(default_factory=dict)
     rejections: list[str] = field(default_factory=list)
     """The servers' messages for requests they rejected (4xx) in this round (their groups were dropped)."""
+    dropped: list[RolloutGroup] = field(default_factory=list)
+    """Finished groups not trained because their rewards are all equal (`rollout.dynamic_sampling`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompts": [p.to_dict() for p in self.prompts], "groups": [g.to_dict() for g in self.groups],
-                "metrics": dict(self.metrics), "rejections": list(self.rejections)}
+                "metrics": dict(self.metrics), "rejections": list(self.rejections),
+                "dropped": [g.to_dict() for g in self.dropped]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RolloutRound":
         return cls(prompts=[Prompt.from_dict(p) for p in d["prompts"]],
                    groups=[RolloutGroup.from_dict(g) for g in d["groups"]], metrics=dict(d.get("metrics", {})),
-                   rejections=list(d.get("rejections", [])))
+                   rejections=list(d.get("rejections", [])),
+                   dropped=[RolloutGroup.from_dict(g) for g in d.get("dropped", [])])

@@ -206,9 +206,11 @@ async def stream_generate(request: web.Request, state: ServerState, parsed) -> w
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the scheduler runs; 503 while shutting down (no generation probe: see health_generate)."""
+    """200 while the scheduler runs; 503 while paused or shutting down, as SGLang 0.5.23 answers (its
+    /health is a generation probe, which waits at the pause gate: seen live). No probe here, so it
+    answers at once under any load (see health_generate for the probe)."""
     state = request.app[STATE_KEY]
-    ok = state.engine.alive and not state.shutting_down
+    ok = state.engine.alive and not state.shutting_down and not state.paused
     return web.Response(status=200 if ok else 503)
 
 
@@ -255,19 +257,17 @@ def load_entry(state: ServerState) -> dict:
 
 async def get_server_info(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
+    # The launch arguments, as SGLang 0.5.23 reports them: `model_path` and `weight_version` stay what the
+    # server was started with (the current ones are in /model_info; checked live, tests/test_server_contract.py).
     info = dataclasses.asdict(state.config)
     info.pop("api_key", None)
-    info.update(model_path=state.model_path, tp_size=1, dp_size=1, pp_size=1, context_length=state.context_length,
-                weight_version=state.weight_version, max_total_num_tokens=load_entry(state)["num_total_tokens"],
+    info.update(tp_size=1, dp_size=1, pp_size=1, context_length=state.context_length,
+                max_total_num_tokens=load_entry(state)["num_total_tokens"],
                 max_req_input_len=state.context_length - 1, internal_states=[load_entry(state)],
                 version=SERVER_VERSION, backend="megatron_bapo.server (transformers, CPU)",
                 disable_radix_cache=True,  # there is no prefix cache across calls (server/README.md)
                 nccl_version=nccl_version())
     return web.json_response(info)
-
-
-async def get_weight_version(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": request.app[STATE_KEY].weight_version})
 
 
 async def get_loads(request: web.Request) -> web.Response:
@@ -284,8 +284,7 @@ def create_app(state: ServerState) -> web.Application:
     for path, handler in (("/health", health), ("/health_generate", health_generate),
                           ("/get_model_info", get_model_info), ("/model_info", get_model_info),
                           ("/get_server_info", get_server_info), ("/server_info", get_server_info),
-                          ("/get_weight_version", get_weight_version), ("/weight_version", get_weight_version),
-                          ("/v1/loads", get_loads), ("/get_load", get_loads)):
+                          ("/v1/loads", get_loads)):  # 0.5.23 has no /get_weight_version, /get_load
         app.router.add_get(path, handler)
     control.add_routes(app)
     distributed.add_routes(app)

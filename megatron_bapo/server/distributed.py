@@ -79,10 +79,10 @@ async def update_from_distributed(request: web.Request) -> web.Response:
             len(names) == len(dtypes) == len(shapes)):
         raise RequestError("names, dtypes and shapes must be lists of the same length")
     group_name = str(body.get("group_name") or DEFAULT_GROUP)
+    if not state.weight_update_session:  # checked first, as SGLang 0.5.23 does (also without a group: seen live)
+        return _fail("update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
     if group_name not in state.weight_groups:
         raise RequestError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
-    if not state.weight_update_session:
-        return _fail("update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
     pg, backend = state.weight_groups[group_name]
     device = "cuda" if backend == "nccl" else "cpu"
     try:
@@ -162,7 +162,7 @@ async def destroy_group(request: web.Request) -> web.Response:
     group_name = str(body.get("group_name") or DEFAULT_GROUP)
     entry = state.weight_groups.pop(group_name, None)
     if entry is None:
-        return _fail(f"no weight update group {group_name!r}")
+        return _fail("The group to be destroyed does not exist.")  # SGLang 0.5.23's reply
     destroy_weights_update_group(entry[0])
     return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 

@@ -1,6 +1,7 @@
 """Start the built-in server as a subprocess on a free loopback port and stop it by PID.
 
-Used by the trainer (one-machine default), the eval tool and tests. The port is chosen by the
+Used by the trainer (one-machine default), the eval tool and tests; `launch_process` (the process
+handling: health wait, log, parent watch, stop) also starts the real SGLang (`rollout.sglang_launch`). The port is chosen by the
 server itself (`--port 0`) and reported through `--port-file`, so two launchers never race for the
 same port. Stopping sends SIGTERM to that PID (graceful: the scheduler finishes, the socket closes),
 then SIGKILL after `stop_timeout_s`; nothing is ever killed by name.
@@ -106,11 +107,25 @@ def start_server(
     """
     work = Path(tempfile.mkdtemp(prefix="bapo_server_"))
     port_file = work / "port"
-    own_log = log_path is None
     log = Path(log_path) if log_path is not None else work / "server.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [python, "-m", "megatron_bapo.server", "--model-path", str(model_path), "--host", host,
            "--port", str(0 if port is None else int(port)), "--port-file", str(port_file), *map(str, extra_args)]
+    return launch_process(cmd, host=host, port=port, port_file=port_file, log_path=log, own_log=log_path is None,
+                          startup_timeout_s=startup_timeout_s, env=env, name="built-in server")
+
+
+def launch_process(cmd: Sequence[str], *, host: str, port: Optional[int], log_path: Path,
+                   startup_timeout_s: float, env: Optional[dict] = None, port_file: Optional[Path] = None,
+                   own_log: bool = False, name: str = "server") -> ServerHandle:
+    """Run `cmd` (a server speaking SGLang's HTTP API) and return once its `/health` answers 200.
+
+    The child gets this repository on PYTHONPATH and `MEGATRON_BAPO_PARENT_PID` (it exits when we
+    die: `parent_watch`). `port=None`: the server reports the port it bound in `port_file`. Raises
+    ServerStartError with the log tail when the process exits or is not healthy in time (it is
+    stopped first). Shared by the built-in server and the real SGLang (`rollout.sglang_launch`)."""
+    cmd = [str(c) for c in cmd]
+    log = Path(log_path)
+    log.parent.mkdir(parents=True, exist_ok=True)
     proc_env = dict(os.environ if env is None else env)
     repo_root = str(Path(__file__).resolve().parents[2])
     proc_env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, proc_env.get("PYTHONPATH", "")) if p)
@@ -123,17 +138,17 @@ def start_server(
     try:
         while True:
             if proc.poll() is not None:
-                raise ServerStartError(f"built-in server exited with code {proc.returncode} during startup "
+                raise ServerStartError(f"{name} exited with code {proc.returncode} during startup "
                                        f"(cmd: {' '.join(cmd)}); log {log}:\n{handle.log_tail()}")
-            if handle.port < 0 and port_file.exists():
+            if handle.port < 0 and port_file is not None and port_file.exists():
                 text = port_file.read_text().strip()
                 if text:
                     handle.port = int(text)
             if handle.port >= 0 and _healthy(handle.url):
-                logger.info("built-in server ready at %s (pid %d, log %s)", handle.url, proc.pid, log)
+                logger.info("%s ready at %s (pid %d, log %s)", name, handle.url, proc.pid, log)
                 return handle
             if time.monotonic() > deadline:
-                raise ServerStartError(f"built-in server not healthy after {startup_timeout_s:.0f} s "
+                raise ServerStartError(f"{name} not healthy after {startup_timeout_s:.0f} s "
                                        f"(cmd: {' '.join(cmd)}); log {log}:\n{handle.log_tail()}")
             time.sleep(0.1)
     except BaseException:

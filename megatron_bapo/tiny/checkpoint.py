@@ -38,13 +38,16 @@ ARCHITECTURES: dict[str, tuple[type, type]] = {
 ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(head_dim=32),
     "qwen3_moe": dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001),
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                      tie_word_embeddings=False),
 }
 """Per-architecture defaults on top of `DEFAULT_MODEL_KWARGS`. Qwen3's `head_dim` is its own field and
 differs from hidden_size / num_attention_heads in the real models (32B: 64 heads x 128 on a 5120
 hidden size), so the tiny Qwen3 has 4 heads x 32 on 64: the case conversion and the builder must get right.
 The tiny Qwen3-MoE has 8 experts of width 32, 2 per token, top-k probabilities renormalised (as
-Qwen3-30B-A3B: 128 experts of width 768, 8 per token), a mixture of experts in every layer."""
+Qwen3-30B-A3B: 128 experts of width 768, 8 per token), a mixture of experts in every layer, and an untied
+head like every real Qwen3-MoE (SGLang's Qwen3-MoE ignores `tie_word_embeddings`: a tied checkpoint
+without `lm_head.weight` would be served with a zero head)."""
 
 DEFAULT_MODEL_KWARGS: dict[str, Any] = dict(
     hidden_size=64,

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
 
 from megatron_bapo.convert.families.llama import LLAMA
 from megatron_bapo.convert.families.qwen2 import QWEN2
@@ -26,3 +29,21 @@ def get_mapping(hf_config: Any) -> ModelMapping:
     if arch not in MAPPINGS:
         raise ValueError(f"no weight mapping for architecture {arch!r}; supported: {supported_architectures()}")
     return MAPPINGS[arch]
+
+
+def headless_for_sglang(hf_dir: str | os.PathLike) -> Optional[str]:
+    """The architecture of a checkpoint SGLang would serve with a zero output head, else None: tied
+    embeddings, no `lm_head.weight` in its files, and a family whose SGLang model ignores the tie
+    (`ModelMapping.write_tied_head`). Not an HF directory (or an unknown family): None."""
+    from megatron_bapo.convert.hf_io import HFCheckpointReader
+
+    config_path = Path(hf_dir) / "config.json"
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    arch = (config.get("architectures") or [None])[0]
+    mapping = MAPPINGS.get(arch)
+    if mapping is None or not (config.get("tie_word_embeddings") and mapping.write_tied_head):
+        return None
+    with HFCheckpointReader(hf_dir) as reader:
+        return None if mapping.tied_hf in reader.names() else arch

@@ -9,6 +9,10 @@ TE). The post-attention norm is megatron's `pre_mlp_layernorm` (a plain norm in 
 cannot fuse it into the experts). In `torch_dist` checkpoints the experts are
 `decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight` with a layer and an expert axis
 (the key both expert implementations write), so expert parallelism reshards on load.
+
+Real Qwen3-MoE checkpoints are untied. A tied one is written with `lm_head.weight` too
+(`write_tied_head`): SGLang 0.5.23's Qwen3-MoE ignores `tie_word_embeddings` and would serve it with a
+zero output head.
 """
 
 from megatron_bapo.convert.families.llama_like import H, L, attention_rules, embedding_rules, head_rules
@@ -38,4 +42,5 @@ def moe_mlp_rules() -> list[TensorRule]:
 QWEN3_MOE = ModelMapping(
     "Qwen3MoeForCausalLM",
     embedding_rules() + attention_rules(qkv_bias=False, qk_norm=True) + moe_mlp_rules() + head_rules(),
+    write_tied_head=True,
 )
