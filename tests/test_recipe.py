@@ -5,7 +5,7 @@
    and the importance ratio ~1, for one process and for TP 2 + SP, PP 2 and CP 2. (Before the temperature
    reached the trainer this KL was ~1e-2 on the same model.) TP 2 without SP is the Qwen3 TP 2 run below
    (and the bf16 run's mismatch), TP 2 x CP 2 the 8-rank rehearsal's first update (TP 2 + SP x PP 2 x
-   CP 2 at temperature 0.6), so they get no run of their own (most of a minute each on 2 cores). A tiny Qwen3
+   CP 2 at temperature 0.6), so they get no run of their own (16 s and 26 s on 2 cores). A tiny Qwen3
    (per-head q/k norms, head_dim 32 on a 64 hidden size, untied head) runs 3 BAPO steps on one process
    (disk weight sync) and under TP 2 (distributed gloo sync): every step's update is on-policy after the
    weight sync, KL below 1e-6. With a bf16 built-in server and `old_logprobs: recompute` (TIS) under
