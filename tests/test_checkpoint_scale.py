@@ -144,7 +144,7 @@ def test_a_checkpoint_aborts_the_round_in_flight_and_keeps_its_tokens(tiny_hf_di
         producer.start()
 
         def generated() -> int:
-            load = json.loads(urllib.request.urlopen(server.url + "/get_load", timeout=10).read())["loads"][0]
+            load = json.loads(urllib.request.urlopen(server.url + "/v1/loads", timeout=10).read())["loads"][0]
             return load["num_used_tokens"] - 3 * load["num_running_reqs"]
 
         deadline = time.monotonic() + 120
