@@ -98,7 +98,7 @@ def _build_and_step(rank, world_size, layout, model=TINY4):
             if record.levelno >= logging.WARNING:
                 warnings.append(record.getMessage())
 
-    logging.getLogger(actor_mod.__name__).addHandler(Keep())
+    logging.getLogger("megatron_bapo.actor").addHandler(Keep())  # the package's modules (actor, build, passes)
     cfg = from_dict(ActorConfig, {**layout, "bapo": BAPO}, "actor")
     actor = Actor(cfg, model)
     b = make_batch(num_seqs=8, max_len=24, seed=5)

@@ -91,8 +91,9 @@ def _build(rank, world_size, cp):
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("megatron_bapo.actor.actor").addHandler(handler)
-    logging.getLogger("megatron_bapo.actor.actor").setLevel(logging.INFO)
+    actor_logs = logging.getLogger("megatron_bapo.actor")  # the package: actor/build.py says it
+    actor_logs.addHandler(handler)
+    actor_logs.setLevel(logging.INFO)
     actor = Actor(ActorConfig(parallel=ParallelConfig(cp=cp), layer_spec="local"), TINY_QWEN2)
     core = type(actor.model[0].module.decoder.layers[0].self_attention.core_attention).__name__
     return [m for m in records if m.startswith("model:")], core

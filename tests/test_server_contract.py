@@ -270,3 +270,44 @@ def test_a_sigkilled_server_is_restarted_by_the_pool_with_the_current_weights(se
     r = served.client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True})
     assert r.versions == [version] * 6
     check_logprobs(served, PROMPT, r, path=served.model_b)
+
+
+def test_what_a_dead_trainer_left_is_cleared_before_the_next_join(served):
+    """Servers outlive trainers: one killed mid-update leaves its weight group and an open update
+    session on the server. A join under that name is refused at once (the server's reply ends the wait,
+    not `sync.group_timeout_s`); the pool's clearing (`aclear_weight_group`, what `ServerPool` runs before
+    every join) ends the session and destroys the group, and the next trainer joins and updates."""
+    from safetensors.torch import load_file
+
+    from megatron_bapo.rollout.pool import ServedWeights
+    from megatron_bapo.rollout.weight_group import DistributedWeightSender
+    from megatron_bapo.weight_update import DEFAULT_GROUP, destroy_weights_update_group
+
+    client = served.client
+    dead = DistributedWeightSender(client, backend="gloo", timeout_s=120)
+    dead.connect([1])
+    client.run(client.abegin_weight_update())
+    destroy_weights_update_group(dead.pg)  # the trainer dies: its own side goes, the server keeps its side
+    dead.pg = None
+    started = time.monotonic()
+    with pytest.raises(RolloutError, match="refused to join"):
+        DistributedWeightSender(client, backend="gloo", timeout_s=120).connect([1])
+    assert time.monotonic() - started < 60
+    held = client.run(client.aclear_weight_group(DEFAULT_GROUP))
+    assert held == {served.url: ["an open weight-update session", f"the weight group {DEFAULT_GROUP!r}"]}, held
+    assert client.run(client.aclear_weight_group(DEFAULT_GROUP)) == {served.url: []}  # a clean server holds nothing
+    served.load(served.model_b)
+    named = sorted(load_file(str(served.model_a / "model.safetensors")).items())
+    sender = DistributedWeightSender(client, backend="gloo", timeout_s=120)
+    sender.connect([1])
+    version = served.version + 1
+    try:
+        client.run(client.abegin_weight_update())
+        sender.send(named, weight_version=str(version), flush_cache=True)
+        client.run(client.aend_weight_update())
+    finally:
+        sender.close()
+    served.pool.served = ServedWeights(version, str(served.model_a))
+    r = client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True})
+    assert r.versions == [version] * 6
+    check_logprobs(served, PROMPT, r, path=served.model_a)
