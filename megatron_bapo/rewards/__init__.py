@@ -18,7 +18,7 @@ import importlib
 import logging
 from math import isfinite  # not `import math`: the submodule `rewards.math` would shadow it
 from collections import Counter
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from megatron_bapo.rewards.types import DetailedRewardFn, RewardFn, RewardResult
 
@@ -43,25 +43,30 @@ class RewardSpecError(ValueError):
     """A reward spec cannot be resolved; the message names the spec and what to fix."""
 
 
-def _import_path(spec: str, path: str) -> Callable:
+def import_callable(spec: str, path: str, *, kind: str, builtins: Iterable[str],
+                    error: type[ValueError]) -> Callable:
+    """The callable at `path` ("package.module:function") that `spec` (a built-in name or that path)
+    names; `error` says, naming the `kind` ("reward", "tool") and the spec, what is wrong. One home for
+    the plugin lookup of rewards and tools."""
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise RewardSpecError(
-            f"reward spec {spec!r}: expected a built-in name ({', '.join(sorted(BUILTIN_REWARDS))}) "
-            "or an import path 'package.module:function'"
-        )
+        raise error(f"{kind} spec {spec!r}: expected a built-in name ({', '.join(sorted(builtins))}) "
+                    "or an import path 'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
+        obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise RewardSpecError(f"reward spec {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    obj = module
+        raise error(f"{kind} spec {spec!r}: cannot import module {module_name!r}: {exc}") from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise RewardSpecError(f"reward spec {spec!r}: module {module_name!r} has no attribute {attr!r}")
+            raise error(f"{kind} spec {spec!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise RewardSpecError(f"reward spec {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable")
+        raise error(f"{kind} spec {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def _import_path(spec: str, path: str) -> Callable:
+    return import_callable(spec, path, kind="reward", builtins=BUILTIN_REWARDS, error=RewardSpecError)
 
 
 def load_reward_fn(spec: str) -> RewardFn:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import importlib
 import json
 import time
 from typing import Any, Callable, Optional, Sequence
+
+from megatron_bapo.rewards import import_callable
 
 BUILTIN_TOOLS: dict[str, str] = {
     "calculator": "megatron_bapo.rollout.tools.calculator:calculator",
@@ -53,22 +54,7 @@ def load_tool_fn(spec: str) -> Callable[..., Any]:
     """Import the function of a built-in name or "package.module:function"; ToolSpecError names what is wrong."""
     if not isinstance(spec, str) or not spec.strip():
         raise ToolSpecError(f"tool spec must be a non-empty string, got {spec!r}")
-    path = resolve_tool_path(spec)
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ToolSpecError(f"tool spec {spec!r}: expected a built-in name ({', '.join(sorted(BUILTIN_TOOLS))}) "
-                            f"or an import path 'package.module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ToolSpecError(f"tool spec {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ToolSpecError(f"tool spec {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ToolSpecError(f"tool spec {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable")
-    return obj
+    return import_callable(spec, resolve_tool_path(spec), kind="tool", builtins=BUILTIN_TOOLS, error=ToolSpecError)
 
 
 @dataclasses.dataclass
