@@ -61,6 +61,12 @@ class TrainerConfig:
     train, sync). k >= 1: rank 0 keeps generating the groups of steps n+1..n+k while the actor
     trains step n; every token keeps its behavior log-prob and the version that produced it, and
     `rollout.max_staleness` still bounds what is trained (per token)."""
+    driver_process: bool = False
+    """Run the rollout driver (server pool, client, rewards, evaluation, metrics) in a process of its
+    own on rank 0's node instead of inside rank 0's training process (`megatron_bapo.driver_process`):
+    its HTTP and reply parsing then never compete with rank 0's share of training, and it also cuts
+    every rank's slice of the batch. The recipes at scale turn it on; off, a one-process run starts a
+    few seconds faster."""
     progress: bool = True
     """tqdm progress bar on rank 0's console."""
     console_every: int = 10

@@ -13,6 +13,9 @@ the rollout servers or the disk on behalf of the whole job lives here, on global
     driver.state_dict()                       # data position, partial-rollout buffer, rounds ahead
     driver.close()
 
+With `trainer.driver_process: true` this class runs in a process of its own on rank 0's node and
+rank 0 holds a `driver_process.DriverProcess`, which answers the same calls by asking it.
+
 The servers, the client and every call that reaches the servers (restarts, pauses, weight updates,
 the served version) belong to `rollout.pool.ServerPool`. On actor ranks above 0 a `Follower` holds
 the driver's place, so the trainer's loop has no rank branches around the sync.

@@ -52,6 +52,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "trainer.seed": (APPLIED, "per-request sampling seeds of segments sent after the resume derive from it"),
     "trainer.eval_at_start": (APPLIED, _LIVE),
     "trainer.async_steps": (APPLIED, "rounds produced ahead and saved are trained first; then the new depth"),
+    "trainer.driver_process": (APPLIED, "where the driver runs; a checkpoint's driver state is the same either way"),
     "trainer.progress": (APPLIED, _LIVE),
     "trainer.console_every": (APPLIED, _LIVE),
     "trainer.log_level": (APPLIED, _LIVE),

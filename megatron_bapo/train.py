@@ -97,6 +97,7 @@ def _train(config: "RunConfig", args: argparse.Namespace, rank: int, lock: Optio
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor",
                             category=UserWarning)
     from megatron_bapo.actor.errors import SkippedStepsError
+    from megatron_bapo.driver_process import DriverProcessError
     from megatron_bapo.experience import RewardFailure
     from megatron_bapo.progress import NoProgressError
     from megatron_bapo.rewards import RewardSpecError
@@ -109,7 +110,8 @@ def _train(config: "RunConfig", args: argparse.Namespace, rank: int, lock: Optio
     # is a bug and keeps its traceback.
     kinds = {ConfigError: "config error", RewardSpecError: "config error", CheckpointError: "checkpoint error",
              RewardFailure: "reward error", RolloutError: "rollout error", NoProgressError: "progress error",
-             SkippedStepsError: "training error", ExportWriteError: "sync error"}
+             SkippedStepsError: "training error", ExportWriteError: "sync error",
+             DriverProcessError: "driver error"}
     started = time.monotonic()
     try:
         history = Trainer(config).run()

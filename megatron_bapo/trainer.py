@@ -12,7 +12,8 @@
 Rank 0 also holds the `Driver` (`megatron_bapo.driver`): the server pool and the rollout client,
 data, the rollout producer (which with `trainer.async_steps` = k keeps k rounds ahead of training),
 rewards, the sample ledger, evaluation, metrics, and the server pool that updates the servers; on the
-other ranks a `Follower` holds its place. All ranks run the actor (TP/PP/CP/DP from
+other ranks a `Follower` holds its place. With `trainer.driver_process` the driver runs in a process of
+its own on rank 0's node (`megatron_bapo.driver_process`), which also cuts every rank's slice. All ranks run the actor (TP/PP/CP/DP from
 `actor.parallel`) and the export half of the sync (`megatron_bapo.sync`). The loop is resumable at step
 boundaries: a checkpoint holds the actor (model, optimizer, scheduler, RNG), the data position,
 the partial-rollout buffer, the rounds produced ahead and the policy version
@@ -154,6 +155,7 @@ class Trainer:
         from megatron_bapo.actor import Actor
         from megatron_bapo.convert import load_hf_into_model
         from megatron_bapo.driver import Driver
+        from megatron_bapo.driver_process import DriverProcess
         from megatron_bapo.models.parallel import initialize_model_parallel
         from megatron_bapo.sync.export import make_export
 
@@ -179,7 +181,7 @@ class Trainer:
         if groups.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_run_config(cfg), encoding="utf-8")
-            self.driver = Driver(cfg, self.output_dir)
+            self.driver = (DriverProcess if cfg.trainer.driver_process else Driver)(cfg, self.output_dir)
             try:  # resume checks (run_record) first: a checkpoint this config cannot resume is refused here
                 self.driver.start(state, step=self.step, version=self.version, hf_config=self.hf_config,
                                   world_size=groups.world_size, checkpoint=resume_from)
@@ -194,6 +196,11 @@ class Trainer:
             raise kind(f"rank 0 could not start the run: {failed[0]}: {failed[1]}")
         self.actor = Actor(cfg.actor, self.hf_config, groups=groups)
         self.export = make_export(cfg.sync, self.actor, self.hf_config, self.output_dir, tokenizer_src=hf_path)
+        if cfg.trainer.driver_process:  # the driver process cuts every rank's slice: it needs their coordinates
+            everyone: list[Any] = [None] * dist.get_world_size(self.cpu_group)
+            dist.all_gather_object(everyone, self.actor.coords, group=self.cpu_group)
+            if self.driver.leads:
+                self.driver.ship_to(self.actor.batch_spec, everyone)
         if resume_from is not None:
             self.actor.load_checkpoint(resume_from / "actor")
             # Servers start from model.hf_path; bring them to the checkpoint's weights and version.
@@ -218,8 +225,9 @@ class Trainer:
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
-    def _scatter(self, batch: Optional[dict[str, Any]]):
-        """Each rank gets only its DP/CP slice of rank 0's batch (None everywhere when rank 0 has none)."""
+    def _scatter(self, batch: Any):
+        """Each rank gets only its DP/CP slice of rank 0's batch (None everywhere when rank 0 has none);
+        with `trainer.driver_process`, rank 0 holds the slices the driver process cut (a `Shipment`)."""
         from megatron_bapo.actor.scatter import scatter_batch
 
         return scatter_batch(batch, self.actor.batch_spec, self.actor.coords, self.cpu_group,

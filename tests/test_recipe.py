@@ -171,7 +171,9 @@ def rehearsal(assets, tmp_path_factory):
     return root, one, eight
 
 
-EIGHT = ("actor.parallel.tp=2", "actor.parallel.sequence_parallel=true", "actor.parallel.pp=2", "actor.parallel.cp=2")
+# The recipes run the driver in its own process (trainer.driver_process): every rank's slice is cut there.
+EIGHT = ("actor.parallel.tp=2", "actor.parallel.sequence_parallel=true", "actor.parallel.pp=2", "actor.parallel.cp=2",
+         "trainer.driver_process=true")
 
 
 def test_recipe_rehearsal_8_ranks_equals_one_process(rehearsal):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 
@@ -43,8 +44,12 @@ def _wait_for_step(proc, out, step: int, timeout: float = 600) -> None:
     pytest.fail(f"timed out waiting for step {step}")
 
 
-@pytest.mark.parametrize("case", ["data_path", "model_path", "reward_typo", "response_over_context"])
+@pytest.mark.parametrize("case", ["data_path", "model_path", "reward_typo", "response_over_context",
+                                  "response_over_context+driver_process"])
 def test_wrong_setting_is_one_line_before_the_model_is_built(assets, tmp_path, case):
+    """`+driver_process`: found in the driver's own process (`trainer.driver_process`), which started the
+    server: the same line, and the server is gone too."""
+    case, _, driver_process = case.partition("+")
     sections, field = {
         "data_path": ({"data": {"path": str(tmp_path / "missing.jsonl")}}, "data.path"),
         "model_path": ({"model": {"hf_path": str(tmp_path / "no_model")}}, "model.hf_path"),
@@ -53,7 +58,7 @@ def test_wrong_setting_is_one_line_before_the_model_is_built(assets, tmp_path, c
         "response_over_context": ({"rollout": {"max_response_tokens": 600, "segment_tokens": 300}}, "rollout.max_response_tokens"),
     }[case]
     out = tmp_path / "run"
-    config = run_config(assets, out, sections=sections, log_level="info")
+    config = run_config(assets, out, sections=sections, log_level="info", driver_process=bool(driver_process))
     started = time.monotonic()
     proc = start_train(config, assets)
     log = finish(proc)
@@ -234,6 +239,37 @@ def test_resumed_run_samples_as_the_uninterrupted_one(assets, tmp_path, whole_ru
     # Functions of the sampled tokens and their behaviour log-probs: equal only if the same tokens were drawn.
     for tag in ("actor/kl", "actor/entropy", "bapo/c_high", "bapo/rho_before"):
         assert a[tag] == pytest.approx(b[tag], rel=1e-4, abs=1e-9), (tag, a[tag], b[tag])  # float noise only
+
+
+def test_the_driver_process_samples_and_trains_as_the_inline_driver(assets, tmp_path, whole_run):
+    """`trainer.driver_process`: servers, client, rewards, ledger and metrics in a process of its own,
+    each step's slices cut there, the weights handed to its sender in shared memory (the distributed
+    gloo sync): the seeded run of the inline driver, step for step, checkpoint included."""
+    out = tmp_path / "proc"
+    sections = {**SEEDED, "sync": {"method": "distributed", "backend": "gloo"}}
+    config = run_config(assets, out, sections=sections, total_steps=3, save_every=2, driver_process=True)
+    proc = start_train(config, assets, "eval.every_n_steps=0")
+    log = finish(proc)
+    assert proc.returncode == 0, log[-4000:]
+    full = (out / "logs" / "train.log").read_text()
+    assert "driver process" in full and re.search(r"weight sync v\d+: \d+ tensors over gloo", full), full[-3000:]
+    want = {r["step"]: r for r in read_jsonl_metrics(whole_run / "tb") if "rollout/reward_mean" in r}
+    got = {r["step"]: r for r in read_jsonl_metrics(out / "tb") if "rollout/reward_mean" in r}
+    assert sorted(got) == sorted(want) and len(got) >= 2
+    for step, a in want.items():
+        b = got[step]
+        for tag in ("rollout/reward_mean", "rollout/response_len_mean", "experience/num_samples"):
+            assert a[tag] == b[tag], (step, tag, a[tag], b[tag])
+        for tag in ("actor/kl", "actor/entropy", "bapo/c_high", "bapo/rho_before"):
+            assert a[tag] == pytest.approx(b[tag], rel=1e-4, abs=1e-9), (step, tag, a[tag], b[tag])
+        assert b["timing/driver_rank0_s"] >= 0 and "timing/batch_prepare_s" in b
+
+    def prompts(run) -> list:  # per step: drawn, trained (group ids are fresh uuids in every run)
+        lines = [json.loads(ln) for ln in (run / "samples.jsonl").read_text().splitlines()]
+        return [(r["step"], r["drawn"], [p for _, p in r["trained"]]) for r in lines]
+
+    assert prompts(out) == prompts(whole_run)
+    assert (out / "checkpoints" / "step_000002" / "trainer.json").exists()
 
 
 def test_starting_over_in_a_used_directory_does_not_mix_the_runs_metrics(assets, tmp_path, whole_run):

@@ -34,18 +34,21 @@ def _coords(rank: int):
     return RankCoords(dp_rank=(rank // 2) % 2, cp_rank=rank % 2, first_stage=rank < 4, last_stage=rank >= 4)
 
 
-def _scatter(rank, world_size, with_batch):
-    from megatron_bapo.actor.scatter import BatchSpec, PreparedBatch, scatter_batch
+def _scatter(rank, world_size, with_batch, shipped=False):
+    from megatron_bapo.actor.scatter import BatchSpec, PreparedBatch, scatter_batch, ship
 
     spec = BatchSpec(**SPEC)
-    got = scatter_batch(_batch() if (rank == 0 and with_batch) else None, spec, _coords(rank), dist.group.WORLD,
-                        current_version=3)
+    batch = _batch() if (rank == 0 and with_batch) else None
+    if shipped and batch is not None:  # cut where the driver process runs (`trainer.driver_process`)
+        batch = ship(batch, spec, [_coords(r) for r in range(world_size)], current_version=3)
+    got = scatter_batch(batch, spec, _coords(rank), dist.group.WORLD, current_version=3)
     want = PreparedBatch(_batch(), spec, current_version=3).for_rank(_coords(rank))
     return got, want
 
 
-def test_each_rank_receives_exactly_its_slice(run_dist):
-    results = run_dist(_scatter, 8, True, timeout=120)
+@pytest.mark.parametrize("shipped", [False, True], ids=["cut_on_rank0", "cut_in_the_driver_process"])
+def test_each_rank_receives_exactly_its_slice(run_dist, shipped):
+    results = run_dist(_scatter, 8, True, shipped, timeout=120)
     for rank, (got, want) in enumerate(results):
         assert (got.temperature, got.num_tokens, got.schedule, got.metrics) == \
                (want.temperature, want.num_tokens, want.schedule, want.metrics)

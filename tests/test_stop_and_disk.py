@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from dist_harness import free_port
-from run_helpers import finish, last_line, run_config, start_train, train_env, write_assets
+from run_helpers import finish, last_line, run_config, server_pids, start_train, train_env, write_assets
 
 pytestmark = pytest.mark.slow
 
@@ -133,6 +133,36 @@ def test_sigterm_while_retrying_behind_the_router_stops_in_seconds(assets, tmp_p
         router.terminate()
         router.wait(timeout=30)
     _check_stopped(log, seconds)
+
+
+def test_sigterm_with_the_driver_process_stops_it_and_its_server(assets, tmp_path):
+    """`trainer.driver_process`: the trainer (rank 0) started the driver process, which started the
+    built-in server. SIGTERM to the trainer mid-run (rollout running ahead): the driver process stops
+    the call in progress, closes the server and exits; the run ends with the SIGTERM line, exit 143."""
+    import psutil
+
+    out = tmp_path / "run"
+    config = run_config(assets, out, total_steps=200, save_every=0, async_steps=1, driver_process=True)
+    proc = start_train(config, assets, "eval.every_n_steps=0")
+    tree: dict = {}
+
+    def ready() -> bool:
+        ledger = out / "samples.jsonl"
+        if not server_pids(out) or not ledger.exists() or len(ledger.read_text().splitlines()) < 2:
+            return False
+        server = psutil.Process(server_pids(out)[0])
+        tree.update(server=server, driver=server.parent(), driver_parent=server.parent().ppid())
+        return True
+
+    log, seconds = _sigterm_after(proc, ready)
+    driver, server = tree["driver"], tree["server"]
+    assert driver.pid != proc.pid and tree["driver_parent"] == proc.pid  # trainer -> driver process -> server
+    assert re.fullmatch(r"stopped by SIGTERM during step \d+ of 200; --resume continues from .*", last_line(log)), log[-3000:]
+    assert "Task was destroyed" not in log and "Traceback" not in log, log[-3000:]
+    assert seconds < 5, f"SIGTERM took {seconds:.1f} s to stop the run"
+    for p in (driver, server):
+        p.wait(5)  # psutil: returns at once for a process that is gone; raises TimeoutExpired for one that is not
+        assert not p.is_running()
 
 
 def test_disk_full_during_the_weight_export_is_one_line_and_keeps_the_checkpoint(assets, tmp_path):

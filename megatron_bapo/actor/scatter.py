@@ -286,14 +286,46 @@ def from_bytes(payload: torch.Tensor) -> RankBatch:
                      schedule=state["schedule"], metrics=state["metrics"])
 
 
-def scatter_batch(batch: Optional[dict[str, Any]], spec: BatchSpec, coords: RankCoords, group: "dist.ProcessGroup",
-                  *, current_version: Optional[int] = None) -> Optional[RankBatch]:
+@dataclass
+class Shipment:
+    """A batch prepared for every rank where it was built (`ship`): rank 0's own slice and the bytes
+    of every other rank's, in group order. The driver process (`trainer.driver_process`) builds it,
+    so rank 0's training process only sends bytes."""
+
+    coords: list[RankCoords]
+    """Every rank's coordinates, in group order, as the payloads were cut for."""
+    own: torch.Tensor
+    """Rank 0's `RankBatch` as bytes (`to_bytes`): one tensor crosses the process boundary, not one per micro-batch."""
+    payloads: list[torch.Tensor]
+    """Group rank r's bytes at index r (index 0 is empty: rank 0 keeps `own`)."""
+
+
+def ship(batch: dict[str, Any], spec: BatchSpec, everyone: Sequence[RankCoords], *,
+         current_version: Optional[int] = None) -> Shipment:
+    """Prepare `batch` once and serialise each rank's slice (ranks with equal coordinates share bytes)."""
+    prepared = PreparedBatch(batch, spec, current_version)
+    return Shipment(coords=list(everyone), own=to_bytes(prepared.for_rank(everyone[0])),
+                    payloads=_payloads(prepared, everyone))
+
+
+def _payloads(prepared: PreparedBatch, everyone: Sequence[RankCoords]) -> list[torch.Tensor]:
+    """Bytes for group ranks 1.. (index 0 empty); ranks with equal coordinates share one serialisation."""
+    cache: dict[RankCoords, torch.Tensor] = {}
+    for c in everyone[1:]:
+        if c not in cache:
+            cache[c] = to_bytes(prepared.for_rank(c))
+    return [torch.zeros(0, dtype=torch.uint8)] + [cache[c] for c in everyone[1:]]
+
+
+def scatter_batch(batch: Optional[dict[str, Any] | Shipment], spec: BatchSpec, coords: RankCoords,
+                  group: "dist.ProcessGroup", *, current_version: Optional[int] = None) -> Optional[RankBatch]:
     """Collective over `group` (gloo, every actor rank): each rank's `RankBatch` from rank 0's `batch`.
 
     `batch` is read on group rank 0 only (None there: no batch this step, None everywhere). Rank 0
     learns every rank's coordinates (one small all-gather), prepares the batch once, serialises one
     payload per distinct (DP rank, CP rank, stage) and sends each rank its own; the others receive
-    exactly their bytes. Returns this rank's slice.
+    exactly their bytes. Given a `Shipment` (prepared in the driver process), rank 0 only checks it
+    was cut for these ranks and sends it. Returns this rank's slice.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     everyone: list[Any] = [None] * world
@@ -301,17 +333,15 @@ def scatter_batch(batch: Optional[dict[str, Any]], spec: BatchSpec, coords: Rank
     sizes = torch.zeros(world, dtype=torch.int64)
     own: Optional[RankBatch] = None
     payloads: list[torch.Tensor] = []
-    if rank == 0 and batch is not None:
+    if rank == 0 and isinstance(batch, Shipment):
+        if batch.coords != everyone:
+            raise RuntimeError(f"the driver process cut the batch for ranks {batch.coords}, but the group's ranks are "
+                               f"{everyone}: it was told other coordinates (Trainer._setup sends them once)")
+        own, payloads = from_bytes(batch.own), batch.payloads
+    elif rank == 0 and batch is not None:
         prepared = PreparedBatch(batch, spec, current_version)
-        own = prepared.for_rank(coords)
-        cache: dict[RankCoords, torch.Tensor] = {}
-        for r, c in enumerate(everyone):
-            if r == 0:
-                payloads.append(torch.zeros(0, dtype=torch.uint8))
-                continue
-            if c not in cache:
-                cache[c] = to_bytes(prepared.for_rank(c))
-            payloads.append(cache[c])
+        own, payloads = prepared.for_rank(coords), _payloads(prepared, everyone)
+    if payloads:
         sizes = torch.tensor([max(p.numel(), 1) for p in payloads], dtype=torch.int64)
     dist.broadcast(sizes, src=dist.get_global_rank(group, 0), group=group)
     if int(sizes[0]) == 0:

@@ -1,0 +1,362 @@
+"""The rollout driver in a process of its own on rank 0's node (`trainer.driver_process: true`).
+
+Why: with the driver inside rank 0's training process, its rollout client thread (HTTP, the reply
+JSON of every round: 1-2 GB of log-probs at 32B and 64k tokens, the partial-rollout buffer) competes
+with rank 0's kernel launches, and every collective waits for rank 0. Here the whole `Driver` (the
+server pool, the client, data, rewards, the ledger, evaluation, TensorBoard) runs in a spawned child
+process; rank 0 keeps only a `DriverProcess`, which answers the trainer's calls by asking the child:
+
+    driver = DriverProcess(config, output_dir)
+    driver.start(state, ...)                  # spawns the child, which builds and starts the Driver
+    driver.ship_to(spec, everyone)            # once the actor exists: the batch spec, every rank's coordinates
+    shipment, metrics = driver.next_batch(step, version)   # each rank's slice, cut in the child
+    with driver.weight_update(version) as sink:            # the child's pool pauses, opens the session ...
+        export.run(version, sink)                          # ... and sends what rank 0 hands over
+    driver.close()
+
+The child also prepares the batch (`actor.scatter.ship`: loss mask, aggregation weights, the
+micro-batch plan, every rank's slice serialised), so rank 0 only sends each rank its bytes.
+
+The wire: one duplex `torch.multiprocessing` pipe, one call at a time, `(method, args, kwargs)` ->
+`("ok", result, seconds)` or `("error", exception, seconds)`. Tensors cross it in shared memory
+(CUDA tensors as IPC handles), so a weight bucket is not copied: the child's weight sender
+broadcasts rank 0's gathered tensors to the servers itself; the pool stays the one owner of the
+servers. The child's log records come back over a queue and go through rank 0's own loggers (the
+log file, the console lines, above the progress bar). `begin_stop` (the SIGTERM handler) signals
+the child instead of writing to the pipe, which a call may be using: the child's call in progress
+is interrupted as rank 0's own would be, and each later call to a server is one short attempt.
+The child dies with rank 0 (PR_SET_PDEATHSIG), and its built-in servers with it (`parent_watch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import logging.handlers
+import os
+import pickle
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from megatron_bapo.logs import CONSOLE
+
+logger = logging.getLogger(__name__)
+
+STOP_WAIT_S = 30.0
+"""How long `close` waits for the child's call in progress, then for the child to close the servers."""
+
+
+class DriverProcessError(RuntimeError):
+    """The driver process died, or raised something that cannot cross the pipe (named by type and message)."""
+
+
+class DriverStopped(BaseException):
+    """Raised in the child by SIGTERM inside a call, as `Terminated` is in the trainer's process."""
+
+
+class DriverProcess:
+    """Rank 0's handle on the `Driver` in its own process: the `Driver`'s calls, answered by the child."""
+
+    leads = True
+
+    def __init__(self, config: Any, output_dir: Path) -> None:
+        self.config, self.output_dir = config, Path(output_dir)
+        self._proc: Any = None
+        self._conn: Any = None
+        self._logs: Any = None
+        self._log_thread: Optional[threading.Thread] = None
+        self._pending = False  # a request whose reply was not read (a call interrupted by SIGTERM)
+        self._overhead = 0.0  # rank 0's seconds in calls beyond the child's own time, since the last next_batch
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ the process
+    def _spawn(self) -> None:
+        import torch
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # fork after CUDA or gloo threads exist is unsafe
+        self._logs = ctx.Queue()
+        self._log_thread = threading.Thread(target=_forward_logs, args=(self._logs,), name="driver-logs", daemon=True)
+        self._log_thread.start()
+        self._conn, child = ctx.Pipe(duplex=True)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        level = logging.getLogger().getEffectiveLevel()
+        self._proc = ctx.Process(target=_serve, name="bapo-driver", daemon=False,
+                                 args=(child, self._logs, level, self.config, self.output_dir, device))
+        self._proc.start()
+        child.close()
+        logger.info("driver process %d started (servers, client, rewards, eval, metrics)", self._proc.pid)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        result, _ = self._timed_call(method, *args, **kwargs)
+        return result
+
+    def _timed_call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+        """(the child's result, seconds rank 0 spent beyond the child's own time: transfer and pickling)."""
+        with self._lock:
+            self._drain()
+            started = time.monotonic()
+            self._conn.send((method, args, kwargs))
+            self._pending = True
+            kind, value, seconds = self._receive(None)
+            self._pending = False
+        overhead = max(time.monotonic() - started - seconds, 0.0)
+        self._overhead += overhead
+        if isinstance(value, DriverStopped):  # the child alone got SIGTERM (rank 0's own would have ended the call)
+            raise DriverProcessError(f"the driver process was stopped by a signal during {method}; rerun with --resume")
+        if kind == "error":
+            raise value
+        return value, overhead
+
+    def _receive(self, timeout: Optional[float]) -> tuple[str, Any, float]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._conn.poll(1.0):  # wake every second to notice a dead child
+            if not self._proc.is_alive():
+                raise DriverProcessError(f"the driver process {self._proc.pid} died (exit code {self._proc.exitcode}); "
+                                         f"its last lines are in {self.output_dir / 'logs' / 'train.log'}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the driver process gave no answer within {timeout:.0f} s")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise DriverProcessError(f"the driver process {self._proc.pid} closed the pipe (exit code "
+                                     f"{self._proc.exitcode}); see {self.output_dir / 'logs' / 'train.log'}") from None
+
+    def _drain(self) -> None:
+        """Read the reply of a call SIGTERM interrupted (the child was told to stop it)."""
+        if self._pending:
+            self._receive(STOP_WAIT_S)
+            self._pending = False
+
+    # ------------------------------------------------------------------ the Driver's calls
+    def start(self, state: dict[str, Any], **kwargs: Any) -> None:
+        self._spawn()
+        self._call("start", state, **kwargs)
+
+    def servers_hold_other_weights(self, version: int) -> bool:
+        return self._call("servers_hold_other_weights", version)
+
+    def ship_to(self, spec: Any, everyone: list[Any]) -> None:
+        """The actor's batch spec and every rank's coordinates: the child cuts each step's slices for them."""
+        self._call("ship_to", spec, everyone)
+
+    def start_rollout(self) -> None:
+        self._call("start_rollout")
+
+    def next_batch(self, step: int, version: int) -> tuple[Any, dict[str, float]]:
+        """(`actor.scatter.Shipment` or None, metrics). `timing/driver_rank0_s`: what the driver cost rank
+        0's process since the previous step's batch, beyond the child's own time: the pipe, pickling,
+        the shipment and the weight buckets handed over (the work itself runs in the child)."""
+        (shipment, metrics), _ = self._timed_call("next_batch", step, version)
+        metrics["timing/driver_rank0_s"], self._overhead = self._overhead, 0.0
+        return shipment, metrics
+
+    @contextlib.contextmanager
+    def weight_update(self, version: int) -> Iterator["RemoteSink"]:
+        self._call("update_begin", version)
+        try:
+            yield RemoteSink(self)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # the export's error is the one to report
+                self._call("update_end", f"{type(exc).__name__}: {exc}")
+            raise
+        self._call("update_end", None)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self._call("evaluate", step)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._call("log", step, metrics)
+
+    def state_dict(self, step: int, version: int) -> dict[str, Any]:
+        return self._call("state_dict", step, version)
+
+    def begin_stop(self) -> None:
+        """From the SIGTERM handler: the child stops its call in progress and makes each later call short."""
+        if self._proc is not None and self._proc.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._proc.pid, signal.SIGTERM)
+
+    def close(self) -> None:
+        """The child stops producing, leaves the weight group, stops the servers and exits."""
+        if self._closed or self._proc is None:
+            return
+        self._closed = True
+        try:
+            if self._proc.is_alive():
+                self._drain()
+                with self._lock:
+                    self._conn.send(("close", (), {}))
+                    self._receive(STOP_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - the teardown goes on: the child is stopped below
+            logger.warning("the driver process did not close cleanly: %s", exc)
+            self._proc.terminate()
+        finally:
+            self._proc.join(STOP_WAIT_S)
+            if self._proc.is_alive():
+                logger.warning("the driver process %d did not exit: killing it (its servers exit with it)",
+                               self._proc.pid)
+                self._proc.kill()
+                self._proc.join()
+            self._conn.close()
+            self._logs.put(None)
+            self._log_thread.join(5)
+
+
+class RemoteSink:
+    """The export's sink on rank 0 (`sync.export.Sink`): hands each bucket to the child's update session."""
+
+    def __init__(self, driver: DriverProcess) -> None:
+        self.driver = driver
+
+    def load_from_disk(self, path: Path, version: int) -> None:
+        self.driver._call("sink_load", path, version)
+
+    def send(self, bucket: list, *, last: bool) -> int:
+        return self.driver._call("sink_send", bucket, last)
+
+
+# ---------------------------------------------------------------------- rank 0's log side
+def _forward_logs(queue: Any) -> None:
+    """Each record the child logged goes through rank 0's logger of the same name (file, console, bar)."""
+    while True:
+        record = queue.get()
+        if record is None:
+            return
+        logging.getLogger(record.name).handle(record)
+
+
+# ---------------------------------------------------------------------- the child
+class _Child:
+    """The `Driver` and the calls the pipe carries to it (one at a time, on the main thread)."""
+
+    def __init__(self, config: Any, output_dir: Path) -> None:
+        from megatron_bapo.driver import Driver
+
+        self.driver = Driver(config, output_dir)
+        self.spec: Any = None
+        self.everyone: list[Any] = []
+        self._update: Any = None
+        self._session: Any = None
+        self.busy = False
+        self.closed = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.driver.close()
+
+    def ship_to(self, spec: Any, everyone: list[Any]) -> None:
+        self.spec, self.everyone = spec, list(everyone)
+
+    def next_batch(self, step: int, version: int) -> tuple[Any, dict[str, float]]:
+        from megatron_bapo.actor.scatter import ship
+
+        batch, metrics = self.driver.next_batch(step, version)
+        if batch is None:
+            return None, metrics
+        if self.spec is None:
+            raise RuntimeError("next_batch before ship_to: the driver process does not know the ranks' coordinates")
+        t0 = time.monotonic()
+        shipment = ship(batch, self.spec, self.everyone, current_version=version)
+        metrics["timing/batch_prepare_s"] = time.monotonic() - t0
+        return shipment, metrics
+
+    def update_begin(self, version: int) -> None:
+        self._update = self.driver.weight_update(version)
+        self._session = self._update.__enter__()
+
+    def sink_send(self, bucket: list, last: bool) -> int:
+        return self._session.send(bucket, last=last)
+
+    def sink_load(self, path: Path, version: int) -> None:
+        self._session.load_from_disk(path, version)
+
+    def update_end(self, error: Optional[str]) -> None:
+        update, self._update, self._session = self._update, None, None
+        if error is None:
+            update.__exit__(None, None, None)
+        else:  # rank 0's export failed: the pool's update ends as it would around a failing export
+            exc = RuntimeError(f"the export on rank 0 failed: {error}")
+            update.__exit__(RuntimeError, exc, None)
+
+    def on_term(self, signum: int, frame: Any) -> None:
+        self.driver.begin_stop()
+        if self.busy:
+            raise DriverStopped(f"signal {signum}")
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        target = getattr(self, method, None) if method in _OWN_CALLS else getattr(self.driver, method)
+        self.busy = True
+        try:
+            return target(*args, **kwargs)
+        finally:
+            self.busy = False
+
+
+_OWN_CALLS = frozenset({"ship_to", "next_batch", "update_begin", "sink_send", "sink_load", "update_end"})
+_DRIVER_CALLS = frozenset({"start", "servers_hold_other_weights", "start_rollout", "evaluate", "log", "state_dict"})
+
+
+def _serve(conn: Any, logs: Any, level: int, config: Any, output_dir: Path, device: Optional[int]) -> None:
+    """The child's main: answer rank 0's calls until it says close (or is gone), then close the Driver."""
+    _die_with_parent()
+    root = logging.getLogger()
+    root.handlers[:] = [logging.handlers.QueueHandler(logs)]
+    root.setLevel(level)
+    logging.getLogger(CONSOLE).setLevel(logging.INFO)  # the console lines' own level, as `logs.configure` sets it
+    logging.captureWarnings(True)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
+    if device is not None:
+        import torch
+
+        torch.cuda.set_device(device)  # the weight sender's NCCL group and CUDA IPC handles of rank 0's device
+    child = _Child(config, output_dir)
+    signal.signal(signal.SIGTERM, child.on_term)
+    try:
+        while True:
+            try:
+                method, args, kwargs = conn.recv()
+            except (EOFError, OSError):
+                logger.warning("rank 0 is gone: the driver process closes the servers and exits")
+                return
+            if method == "close":
+                child.close()
+                conn.send(("ok", None, 0.0))
+                return
+            started = time.monotonic()
+            try:
+                if method not in _OWN_CALLS | _DRIVER_CALLS:
+                    raise DriverProcessError(f"the driver process has no call {method!r}")
+                reply = ("ok", child.call(method, args, kwargs), time.monotonic() - started)
+            except BaseException as exc:  # noqa: BLE001 - every error goes back to rank 0, which raises it
+                logger.info("driver process: %s raised", method, exc_info=True)  # the traceback: train.log
+                reply = ("error", _portable(exc), time.monotonic() - started)
+            conn.send(reply)
+    finally:
+        child.close()
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives pickling (ConfigError, RolloutError ... keep their type: the CLI's exit
+    codes and one-line messages depend on it), else a DriverProcessError naming it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - an exception class with a custom __init__
+        return DriverProcessError(f"{type(exc).__name__}: {exc}")
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when rank 0's process dies (Linux), so a killed trainer leaves no driver behind."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the closed pipe ends the child instead
+        pass

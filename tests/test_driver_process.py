@@ -1,0 +1,28 @@
+"""What crosses the driver process's pipe (`megatron_bapo.driver_process`): errors keep their type
+where they can, so the CLI's one-line messages and exit codes are the inline driver's; the end-to-end
+runs are in test_run_failures.py (the same seeded run as the inline driver, a wrong setting found in
+the driver process), test_stop_and_disk.py (SIGTERM) and test_recipe.py (the 8-rank rehearsal)."""
+
+from __future__ import annotations
+
+import pickle
+
+from megatron_bapo.config_io import ConfigError
+from megatron_bapo.driver_process import DriverProcessError, _portable
+from megatron_bapo.rollout.errors import RolloutError
+
+
+class _TwoArgs(Exception):
+    def __init__(self, url: str, status: int) -> None:
+        super().__init__(f"{url} answered {status}")
+
+
+def test_errors_that_pickle_keep_their_type_and_message():
+    for exc in (ConfigError("data.path='x' does not exist"), RolloutError("every server failed")):
+        back = pickle.loads(pickle.dumps(_portable(exc)))
+        assert type(back) is type(exc) and str(back) == str(exc)
+
+
+def test_an_error_that_cannot_cross_is_named_by_type_and_message():
+    back = pickle.loads(pickle.dumps(_portable(_TwoArgs("http://h:1", 503))))
+    assert isinstance(back, DriverProcessError) and str(back) == "_TwoArgs: http://h:1 answered 503"
