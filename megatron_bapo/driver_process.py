@@ -101,8 +101,12 @@ class DriverProcess:
         with self._lock:
             self._drain()
             started = time.monotonic()
-            self._conn.send((method, args, kwargs))
-            self._pending = True
+            self._pending = True  # before sending: a SIGTERM right after the send must not lose its reply
+            try:
+                self._conn.send((method, args, kwargs))
+            except OSError as exc:  # a broken pipe: the child is gone
+                self._proc.join(5)
+                raise DriverProcessError(self._gone(f"could not be asked to {method} ({exc})")) from None
             kind, value, seconds = self._receive(None)
             self._pending = False
         overhead = max(time.monotonic() - started - seconds, 0.0)
@@ -117,16 +121,18 @@ class DriverProcess:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._conn.poll(1.0):  # wake every second to notice a dead child
             if not self._proc.is_alive():
-                raise DriverProcessError(f"the driver process {self._proc.pid} died (exit code {self._proc.exitcode}); "
-                                         f"its last lines are in {self.output_dir / 'logs' / 'train.log'}")
+                raise DriverProcessError(self._gone("died"))
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the driver process gave no answer within {timeout:.0f} s")
         try:
             return self._conn.recv()
         except EOFError:
             self._proc.join(5)
-            raise DriverProcessError(f"the driver process {self._proc.pid} closed the pipe (exit code "
-                                     f"{self._proc.exitcode}); see {self.output_dir / 'logs' / 'train.log'}") from None
+            raise DriverProcessError(self._gone("closed the pipe")) from None
+
+    def _gone(self, what: str) -> str:
+        return (f"the driver process {self._proc.pid} {what} (exit code {self._proc.exitcode}); its servers exit with "
+                f"it; its last lines are in {self.output_dir / 'logs' / 'train.log'}; rerun with --resume")
 
     def _drain(self) -> None:
         """Read the reply of a call SIGTERM interrupted (the child was told to stop it)."""

@@ -165,6 +165,33 @@ def test_sigterm_with_the_driver_process_stops_it_and_its_server(assets, tmp_pat
         assert not p.is_running()
 
 
+def test_a_killed_driver_process_stops_the_run_in_one_line(assets, tmp_path):
+    """SIGKILL to the driver process (`trainer.driver_process`) mid-run: the trainer stops with one line
+    naming it (exit 2), and the built-in server it started exits too (`parent_watch`)."""
+    import psutil
+
+    out = tmp_path / "run"
+    config = run_config(assets, out, total_steps=200, save_every=0, driver_process=True)
+    proc = start_train(config, assets, "eval.every_n_steps=0")
+    try:
+        deadline = time.monotonic() + 300
+        while not (server_pids(out) and (out / "samples.jsonl").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.05)
+        server = psutil.Process(server_pids(out)[0])
+        server.parent().kill()
+        log = finish(proc, timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, log[-3000:]
+    assert re.fullmatch(r"driver error: the driver process \d+ (died|closed the pipe|could not be asked to \w+ .*) "
+                        r"\(exit code -9\); .*rerun with --resume", last_line(log)), log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    server.wait(10)
+    assert not server.is_running()
+
+
 def test_disk_full_during_the_weight_export_is_one_line_and_keeps_the_checkpoint(assets, tmp_path):
     """`hf_sync/` (a 64 MiB tmpfs of its own, mounted in a user namespace) fills up after the first
     versions are written: the next export fails with one line naming the version's path, the bytes
