@@ -17,8 +17,9 @@ process; rank 0 keeps only a `DriverProcess`, which answers the trainer's calls 
 The child also prepares the batch (`actor.scatter.ship`: loss mask, aggregation weights, the
 micro-batch plan, every rank's slice serialised), so rank 0 only sends each rank its bytes.
 
-The wire: one duplex `torch.multiprocessing` pipe, one call at a time, `(method, args, kwargs)` ->
-`("ok", result, seconds)` or `("error", exception, seconds)`. Tensors cross it in shared memory
+The wire: one duplex `torch.multiprocessing` pipe, one call at a time, `(method, args, kwargs,
+logged)` -> `("ok", result, seconds)` or `("error", exception, seconds)`; `logged` carries the
+metrics `log` was given since the previous call (no round trip of their own). Tensors cross it in shared memory
 (CUDA tensors as IPC handles), so a weight bucket is not copied: the child's weight sender
 broadcasts rank 0's gathered tensors to the servers itself; the pool stays the one owner of the
 servers. The child's log records come back over a queue and go through rank 0's own loggers (the
@@ -71,6 +72,7 @@ class DriverProcess:
         self._log_thread: Optional[threading.Thread] = None
         self._pending = False  # a request whose reply was not read (a call interrupted by SIGTERM)
         self._overhead = 0.0  # rank 0's seconds in calls beyond the child's own time, since the last next_batch
+        self._outbox: list[tuple[int, dict[str, float]]] = []  # metrics `log` leaves for the next call to carry
         self._lock = threading.Lock()
         self._closed = False
 
@@ -103,7 +105,8 @@ class DriverProcess:
             started = time.monotonic()
             self._pending = True  # before sending: a SIGTERM right after the send must not lose its reply
             try:
-                self._conn.send((method, args, kwargs))
+                self._conn.send((method, args, kwargs, self._outbox))
+                self._outbox = []
             except OSError as exc:  # a broken pipe: the child is gone
                 self._proc.join(5)
                 raise DriverProcessError(self._gone(f"could not be asked to {method} ({exc})")) from None
@@ -178,7 +181,8 @@ class DriverProcess:
         return self._call("evaluate", step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self._call("log", step, metrics)
+        """Carried by the next call (the child writes them before it), not a round trip of its own."""
+        self._outbox.append((step, metrics))
 
     def state_dict(self, step: int, version: int) -> dict[str, Any]:
         return self._call("state_dict", step, version)
@@ -198,7 +202,7 @@ class DriverProcess:
             if self._proc.is_alive():
                 self._drain()
                 with self._lock:
-                    self._conn.send(("close", (), {}))
+                    self._conn.send(("close", (), {}, self._outbox))
                     self._receive(STOP_WAIT_S)
         except Exception as exc:  # noqa: BLE001 - the teardown goes on: the child is stopped below
             logger.warning("the driver process did not close cleanly: %s", exc)
@@ -307,7 +311,7 @@ class _Child:
 
 
 _OWN_CALLS = frozenset({"ship_to", "next_batch", "update_begin", "sink_send", "sink_load", "update_end"})
-_DRIVER_CALLS = frozenset({"start", "servers_hold_other_weights", "start_rollout", "evaluate", "log", "state_dict"})
+_DRIVER_CALLS = frozenset({"start", "servers_hold_other_weights", "start_rollout", "evaluate", "state_dict"})
 
 
 def _serve(conn: Any, logs: Any, level: int, config: Any, output_dir: Path, device: Optional[int]) -> None:
@@ -328,11 +332,13 @@ def _serve(conn: Any, logs: Any, level: int, config: Any, output_dir: Path, devi
     try:
         while True:
             try:
-                method, args, kwargs = conn.recv()
+                method, args, kwargs, logged = conn.recv()
             except (EOFError, OSError):
                 logger.warning("rank 0 is gone: the driver process closes the servers and exits")
                 return
             if method == "close":
+                for step, metrics in logged:
+                    child.driver.log(step, metrics)
                 child.close()
                 conn.send(("ok", None, 0.0))
                 return
@@ -340,6 +346,8 @@ def _serve(conn: Any, logs: Any, level: int, config: Any, output_dir: Path, devi
             try:
                 if method not in _OWN_CALLS | _DRIVER_CALLS:
                     raise DriverProcessError(f"the driver process has no call {method!r}")
+                for step, metrics in logged:  # the metrics rank 0 logged since its last call
+                    child.driver.log(step, metrics)
                 reply = ("ok", child.call(method, args, kwargs), time.monotonic() - started)
             except BaseException as exc:  # noqa: BLE001 - every error goes back to rank 0, which raises it
                 logger.info("driver process: %s raised", method, exc_info=True)  # the traceback: train.log
