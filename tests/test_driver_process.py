@@ -26,3 +26,19 @@ def test_errors_that_pickle_keep_their_type_and_message():
 def test_an_error_that_cannot_cross_is_named_by_type_and_message():
     back = pickle.loads(pickle.dumps(_portable(_TwoArgs("http://h:1", 503))))
     assert isinstance(back, DriverProcessError) and str(back) == "_TwoArgs: http://h:1 answered 503"
+
+
+def test_packed_tensors_cross_as_one_buffer_and_come_back_as_they_were():
+    """A CPU weight bucket or a shipment crosses the pipe as one shared-memory buffer; every tensor
+    comes back with its dtype, shape and values (aligned views, a non-contiguous one, an empty one)."""
+    import torch
+
+    from megatron_bapo.driver_process import Packed
+
+    tensors = [torch.randn(3, 5), torch.arange(7), torch.zeros(0, dtype=torch.uint8),
+               torch.tensor(3.5, dtype=torch.bfloat16), torch.randn(4, 2).to(torch.bfloat16).t()]
+    packed = pickle.loads(pickle.dumps(Packed.of(tensors, ["a", "b", "c", "d", "e"])))
+    assert packed.extra == ["a", "b", "c", "d", "e"] and packed.buffer.dim() == 1
+    for want, got in zip(tensors, packed.tensors()):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+        assert got.untyped_storage().data_ptr() == packed.buffer.untyped_storage().data_ptr()  # views, no copy
