@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from megatron_bapo.logs import CONSOLE
+from megatron_bapo.packed_tensors import Packed
 
 logger = logging.getLogger(__name__)
 
@@ -238,37 +239,6 @@ class RemoteSink:
         if all(t.device.type == "cpu" for t in tensors):  # one shared-memory buffer, not one per tensor
             return self.driver._call("sink_send", Packed.of(tensors, names), last)
         return self.driver._call("sink_send", bucket, last)  # CUDA: one IPC handle per tensor, no copy
-
-
-class Packed:
-    """CPU tensors in one contiguous uint8 buffer: it crosses the pipe as one shared-memory segment (one
-    file descriptor), where separate tensors would cost one descriptor hand-over each (a bucket of
-    hundreds of tensors, a shipment for 128 ranks). `extra` rides along (names, coordinates)."""
-
-    ALIGN = 64
-
-    def __init__(self, buffer: Any, layout: list[tuple[Any, tuple[int, ...], int, int]], extra: Any = None) -> None:
-        self.buffer, self.layout, self.extra = buffer, layout, extra
-
-    @classmethod
-    def of(cls, tensors: list[Any], extra: Any = None) -> "Packed":
-        import torch
-
-        layout, offset = [], 0
-        for t in tensors:
-            nbytes = t.numel() * t.element_size()
-            layout.append((t.dtype, tuple(t.shape), offset, nbytes))
-            offset += -(-nbytes // cls.ALIGN) * cls.ALIGN  # aligned, so every view keeps its dtype's alignment
-        buffer = torch.empty(max(offset, 1), dtype=torch.uint8)
-        for t, (_, _, start, nbytes) in zip(tensors, layout):
-            if nbytes:
-                buffer[start:start + nbytes] = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        return cls(buffer, layout, extra)
-
-    def tensors(self) -> list[Any]:
-        """Views into the buffer (no copy), with their dtypes and shapes."""
-        return [self.buffer[start:start + nbytes].view(dtype).reshape(shape)
-                for dtype, shape, start, nbytes in self.layout]
 
 
 # ---------------------------------------------------------------------- rank 0's log side

@@ -33,7 +33,7 @@ def test_packed_tensors_cross_as_one_buffer_and_come_back_as_they_were():
     comes back with its dtype, shape and values (aligned views, a non-contiguous one, an empty one)."""
     import torch
 
-    from megatron_bapo.driver_process import Packed
+    from megatron_bapo.packed_tensors import Packed
 
     tensors = [torch.randn(3, 5), torch.arange(7), torch.zeros(0, dtype=torch.uint8),
                torch.tensor(3.5, dtype=torch.bfloat16), torch.randn(4, 2).to(torch.bfloat16).t()]
