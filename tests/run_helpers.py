@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -137,3 +138,15 @@ def kill_the_server_then_finish(proc: subprocess.Popen, out: Path, ready: Callab
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def finish_later(proc: subprocess.Popen, timeout: float = 600) -> Future:
+    """`finish(proc, timeout)` on a thread, for a run started before the test that checks it (a run
+    spends most of its time on one core: its imports, its server's start; two side by side take little
+    longer than one). Its output is read as it comes, so a full pipe never stalls it; `.result()` is
+    the whole console output, once the run has ended."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finish")
+    try:
+        return pool.submit(finish, proc, timeout)
+    finally:
+        pool.shutdown(wait=False)

@@ -25,7 +25,7 @@ from megatron_bapo.metrics import read_jsonl_metrics
 from megatron_bapo.rollout import PartialRolloutConfig, PartialRolloutManager, Prompt, RolloutClient, RolloutClientConfig
 from megatron_bapo.rollout.agent import AgentConfig, AgentLoop, ToolConfig
 from megatron_bapo.tiny.task import TaskConfig, generate_splits, write_jsonl
-from run_helpers import finish, run_config, start_train, train_env
+from run_helpers import finish_later, run_config, start_train, train_env
 from sglang_proxy import RecordingProxy
 
 pytestmark = pytest.mark.slow
@@ -44,6 +44,31 @@ def tool_assets(tmp_path_factory):
     return root, model
 
 
+@pytest.fixture(scope="module")
+def cli_run(tool_assets, tmp_path_factory):
+    """The run `test_cli_run_with_a_misbehaving_tool_finishes_and_counts_it` checks, started beside the
+    agent-loop tests (it mostly waits: on its tools' 1 s timeouts, its server's start, its imports):
+    (output_dir, the process, its console output to come)."""
+    root, model = tool_assets
+    out = tmp_path_factory.mktemp("cli_run") / "run"
+    config = run_config((root, model), out, total_steps=4, save_every=2, async_steps=1, sections={
+        "data": {"path": str(root / "train.jsonl"), "apply_chat_template": False, "max_prompt_tokens": 32},
+        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_response_tokens": 96, "segment_tokens": 48,
+                    "max_staleness": 3, "client": {"health_timeout_s": 180},
+                    "dynamic_sampling": "refill", "max_refill_rounds": 1,
+                    "agent": {"tools": [{"name": "calculator", "fn": "tool_plugins_mod:flaky"}], "max_turns": 2,
+                              "tool_timeout_s": 1.0, "max_result_chars": 200}},
+        "reward": {"fn": "arithmetic_final", "num_workers": 0},
+        "eval": {"every_n_steps": 4, "datasets": [{"name": "t", "path": str(root / "test.jsonl")}], "n": 2,
+                 "max_new_tokens": 96, "temperature": 1.0, "top_p": 1.0, "reward": "arithmetic_final"},
+    })
+    proc = start_train(config, (root, model), env=train_env((root, model)))
+    yield out, proc, finish_later(proc, timeout=600)
+    if proc.poll() is None:
+        proc.kill()
+
+
+@pytest.mark.usefixtures("cli_run")  # starts that run now, beside these
 @pytest.mark.parametrize("engine", ["builtin", "sglang"])
 def test_agent_loop_sends_the_exact_ids_to_a_real_server(tool_assets, tmp_path, engine):
     from megatron_bapo.rollout.sglang_launch import SGLangLaunchConfig, start_sglang_server
@@ -93,21 +118,9 @@ def test_agent_loop_sends_the_exact_ids_to_a_real_server(tool_assets, tmp_path, 
         assert TOK.decode(s.response_ids[start:end]).startswith("<tool_response>")
 
 
-def test_cli_run_with_a_misbehaving_tool_finishes_and_counts_it(tool_assets, tmp_path):
-    root, model = tool_assets
-    out = tmp_path / "run"
-    config = run_config((root, model), out, total_steps=4, save_every=2, async_steps=1, sections={
-        "data": {"path": str(root / "train.jsonl"), "apply_chat_template": False, "max_prompt_tokens": 32},
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_response_tokens": 96, "segment_tokens": 48,
-                    "max_staleness": 3, "client": {"health_timeout_s": 180},
-                    "dynamic_sampling": "refill", "max_refill_rounds": 1,
-                    "agent": {"tools": [{"name": "calculator", "fn": "tool_plugins_mod:flaky"}], "max_turns": 2,
-                              "tool_timeout_s": 1.0, "max_result_chars": 200}},
-        "reward": {"fn": "arithmetic_final", "num_workers": 0},
-        "eval": {"every_n_steps": 4, "datasets": [{"name": "t", "path": str(root / "test.jsonl")}], "n": 2,
-                 "max_new_tokens": 96, "temperature": 1.0, "top_p": 1.0, "reward": "arithmetic_final"},
-    })
-    log = finish(start_train(config, (root, model), env=train_env((root, model))), timeout=600)
+def test_cli_run_with_a_misbehaving_tool_finishes_and_counts_it(cli_run):
+    out, _, log = cli_run
+    log = log.result()
     assert "done: steps 1-4" in log, log[-3000:]
     records = read_jsonl_metrics(out / "tb")
     total = {k: sum(float(r.get(f"rollout/{k}", 0)) for r in records)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -40,13 +42,49 @@ def _steps(out):
     return [r for r in read_jsonl_metrics(out / "tb") if "timing/step_s" in r]
 
 
-def test_refill_trains_exactly_prompts_per_step_groups_with_signal(assets, tmp_path):
-    """Whole responses (one segment): every step is filled from its own draws."""
-    out = tmp_path / "whole"
-    proc = start_train(_config(assets, out, {"segment_tokens": 6}, total_steps=4, save_every=0), assets,
-                       "eval.every_n_steps=0")
+def _run(config, assets, *extra: str) -> tuple[int, str]:
+    proc = start_train(config, assets, *extra)
     log = finish(proc)
-    assert proc.returncode == 0, log[-4000:]
+    return proc.returncode, log
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory):
+    """The CLI runs the tests below check, started together and run two at a time (a run spends most
+    of its time on one core: its imports, its server's start): {name: (output_dir, future of (exit
+    status, console output))}. Each test checks its own run as before."""
+    root = tmp_path_factory.mktemp("refill_runs")
+    no_eval = "eval.every_n_steps=0"
+    filter_config = run_config(assets, root / "filter", total_steps=3, save_every=0, sections={
+        "rollout": {"dynamic_sampling": "filter", "group_size": 2, "segment_tokens": 6},
+        "reward": {**REWARD, "overlong_buffer_tokens": 3, "overlong_penalty": 0.5},
+        "actor": {"optim": {"lr": 1e-3}, "n_minibatches": 2, "max_tokens_per_microbatch": 256,
+                  "vocab_divisible_by": 64, "overlong_filter": True}})
+    # In the order the tests need them; the resume test's reference run first (its resumed run follows).
+    args = {"uninterrupted": (_config(assets, root / "uninterrupted", total_steps=5, save_every=1, keep_checkpoints=0),
+                              no_eval),
+            "whole": (_config(assets, root / "whole", {"segment_tokens": 6}, total_steps=4, save_every=0), no_eval),
+            # Rollout ahead also runs with a single refill round: max_refill_rounds reaches the sampler.
+            "ahead": (_config(assets, root / "ahead", {"max_refill_rounds": 1}, total_steps=5, save_every=0,
+                              async_steps=1), no_eval, "trainer.save_every=5"),
+            "filter": (filter_config, no_eval)}
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="refill-run")
+    futures = {name: pool.submit(_run, config, assets, *extra) for name, (config, *extra) in args.items()}
+    yield {name: (root / name, futures[name]) for name in args}
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _finished(run) -> Path:
+    """The output directory of a run of `runs`, once it ended well."""
+    out, future = run
+    code, log = future.result()
+    assert code == 0, log[-4000:]
+    return out
+
+
+def test_refill_trains_exactly_prompts_per_step_groups_with_signal(runs):
+    """Whole responses (one segment): every step is filled from its own draws."""
+    out = _finished(runs["whole"])
     records = _steps(out)
     assert [r["train/updated"] for r in records] == [1.0] * 4
     for r in records:
@@ -82,31 +120,19 @@ def _check_nothing_lost(out, async_steps):
     return records
 
 
-def test_refill_with_partial_rollout_and_rollout_ahead_loses_nothing(assets, tmp_path):
+def test_refill_with_partial_rollout_and_rollout_ahead_loses_nothing(runs):
     """Responses take 2 segments (refill draws finish a round later) and rounds (and their refills)
-    run a step ahead (the synchronous case: `test_resume_mid_refill_draws_the_same_prompts`)."""
-    out = tmp_path / "run"
-    # Rollout ahead also runs with a single refill round: max_refill_rounds reaches the sampler.
-    proc = start_train(_config(assets, out, {"max_refill_rounds": 1}, total_steps=5, save_every=0, async_steps=1),
-                       assets, "eval.every_n_steps=0", "trainer.save_every=5")
-    log = finish(proc)
-    assert proc.returncode == 0, log[-4000:]
+    run a step ahead (the synchronous case: `test_resume_mid_refill_draws_the_same_prompts`). The run
+    has a single refill round (max_refill_rounds reaches the sampler under rollout ahead too)."""
+    out = _finished(runs["ahead"])
     records = _check_nothing_lost(out, async_steps=1)
     assert max(r["rollout/refill_rounds"] for r in records) == 1 and any(r["rollout/refill_cap_hit"] for r in records)
 
 
-def test_filter_and_overlong_shaping_and_filtering_act(assets, tmp_path):
+def test_filter_and_overlong_shaping_and_filtering_act(runs):
     """dynamic_sampling: filter drops equal-reward groups without refilling; the overlong penalty
     shapes the rewards of responses near the limit; overlong filtering masks the truncated ones."""
-    out = tmp_path / "run"
-    config = run_config(assets, out, total_steps=3, save_every=0, sections={
-        "rollout": {"dynamic_sampling": "filter", "group_size": 2, "segment_tokens": 6},
-        "reward": {**REWARD, "overlong_buffer_tokens": 3, "overlong_penalty": 0.5},
-        "actor": {"optim": {"lr": 1e-3}, "n_minibatches": 2, "max_tokens_per_microbatch": 256,
-                  "vocab_divisible_by": 64, "overlong_filter": True}})
-    proc = start_train(config, assets, "eval.every_n_steps=0")
-    log = finish(proc)
-    assert proc.returncode == 0, log[-4000:]
+    out = _finished(runs["filter"])
     records = _steps(out)
     assert sum(r["experience/num_groups_filtered"] for r in records) > 0
     assert all("rollout/refill_rounds" not in r for r in records)
@@ -118,15 +144,11 @@ def test_filter_and_overlong_shaping_and_filtering_act(assets, tmp_path):
             assert 0 < r["actor/overlong_filtered_frac"] <= 1
 
 
-def test_resume_mid_refill_draws_the_same_prompts(assets, tmp_path):
+def test_resume_mid_refill_draws_the_same_prompts(assets, runs, tmp_path):
     """Resumed from a checkpoint taken while a step's refill draws were still generating (partial
     rollout: their groups finish in a later step), the run draws, trains and drops exactly what the
     run that never stopped did."""
-    whole = tmp_path / "whole"
-    proc = start_train(_config(assets, whole, total_steps=5, save_every=1, keep_checkpoints=0), assets,
-                       "eval.every_n_steps=0")
-    log = finish(proc)
-    assert proc.returncode == 0, log[-4000:]
+    whole = _finished(runs["uninterrupted"])
     _check_nothing_lost(whole, async_steps=0)  # synchronous partial rollout: nothing lost
     ledger, records = _ledger(whole), _steps(whole)
     refill_drawn: set[int] = set()

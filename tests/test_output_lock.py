@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -30,6 +31,29 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+def _take_over_a_dead_runs_lock(assets, out):
+    out.mkdir()
+    dead = _dead_pid()
+    (out / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead, "started": "earlier",
+                                             "token": "crashed-run"}))
+    config = run_config(assets, out, total_steps=1, save_every=0, eval_at_start=False)
+    proc = start_train(config, assets, "eval.every_n_steps=0")
+    log = finish(proc)
+    return proc.returncode, log, dead, out
+
+
+@pytest.fixture(scope="module")
+def takeover(assets, tmp_path_factory):
+    """`test_a_dead_runs_lock_is_taken_over_with_one_line`'s run, started beside the first test's runs
+    (a run uses about one core): a future of (exit status, console output, the dead pid in the lock,
+    the output directory)."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="takeover")
+    future = pool.submit(_take_over_a_dead_runs_lock, assets, tmp_path_factory.mktemp("takeover") / "run")
+    yield future
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.usefixtures("takeover")  # starts that run now, beside this test's
 def test_second_start_on_one_output_dir_is_refused_naming_the_holder(assets, tmp_path):
     out = tmp_path / "run"
     config = run_config(assets, out, total_steps=4, save_every=2, eval_at_start=False)
@@ -63,16 +87,9 @@ def test_second_start_on_one_output_dir_is_refused_naming_the_holder(assets, tmp
     assert not (out / LOCK_NAME).exists(), "the lock outlived its run"
 
 
-def test_a_dead_runs_lock_is_taken_over_with_one_line(assets, tmp_path):
-    out = tmp_path / "run"
-    out.mkdir()
-    dead = _dead_pid()
-    (out / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead, "started": "earlier",
-                                             "token": "crashed-run"}))
-    config = run_config(assets, out, total_steps=1, save_every=0, eval_at_start=False)
-    proc = start_train(config, assets, "eval.every_n_steps=0")
-    log = finish(proc)
-    assert proc.returncode == 0, log[-3000:]
+def test_a_dead_runs_lock_is_taken_over_with_one_line(takeover):
+    code, log, dead, out = takeover.result()  # _take_over_a_dead_runs_lock
+    assert code == 0, log[-3000:]
     took = [ln for ln in log.splitlines() if "took over the lock" in ln]
     assert len(took) == 1 and f"pid {dead} no longer runs on this host" in took[0], log[-3000:]
     assert not (out / LOCK_NAME).exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -48,19 +49,6 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_32b_true_parameter_count_and_fit(tmp_path):
-    text = _plan("--config", str(CFG_32B), "--hf-config", str(HF_32B), "--gpus", "64", "--json-out", str(tmp_path / "p.json"))
-    assert text.returncode == 0, text.stderr
-    plan = json.loads((tmp_path / "p.json").read_text())
-    assert abs(plan["num_parameters"] - 32.76e9) / 32.76e9 < 1e-3
-    assert (plan["tp"], plan["pp"], plan["cp"], plan["dp"]) == (8, 2, 2, 2)
-    assert plan["fits_recompute"] and not plan["fits"]  # 64k needs recomputation, as design section 5 says
-    assert 0 < plan["peak_bytes_recompute"] <= plan["capacity_bytes"]
-    assert "32,763,876,352 parameters" in text.stdout and "full recompute FITS" in text.stdout
-    no_recompute = _plan("--config", str(CFG_32B), "--hf-config", str(HF_32B), "--gpus", "64", "actor.recompute=none")
-    assert no_recompute.returncode == 1, no_recompute.stdout  # the exit status follows actor.recompute
-
-
 QWEN3_RECIPES = {  # config, HF config, GPUs, (tp, pp, cp, dp), the HF model's parameter count
     "qwen3-32b": ("qwen3-32b-bapo-64k.yaml", "qwen3-32b-config.json", 64, (8, 2, 2, 2), 32_762_123_264),
     "qwen3-8b": ("qwen3-8b-bapo.yaml", "qwen3-8b-config.json", 8, (4, 1, 2, 1), 8_190_735_360),
@@ -68,24 +56,79 @@ QWEN3_RECIPES = {  # config, HF config, GPUs, (tp, pp, cp, dp), the HF model's p
 }
 
 
+MODEL_STATE_LAYOUTS = {"qwen2-tp2": (2, 1, TINY, 1), "qwen2-pp2": (1, 2, TINY, 1), "qwen3-tp2": (2, 1, TINY_QWEN3, 1),
+                       "qwen3-moe-ep2": (1, 1, TINY_MOE, 2)}
+"""tp, pp, HF config, ep of `test_model_state_matches_a_real_cpu_actor`."""
+
+
+def _model_state_run(directory: Path, tp: int, pp: int, hf_config: dict, ep: int) -> Path:
+    """The run YAML (and the HF config.json beside it) of a small layout on 2 CPU ranks."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(hf_config))
+    run = {
+        "model": {"hf_path": str(directory)}, "data": {"max_prompt_tokens": SEQ // 2},
+        "rollout": {"max_response_tokens": SEQ // 2, "prompts_per_step": 2, "group_size": 2},
+        "actor": {"parallel": {"tp": tp, "pp": pp, "ep": ep}, "dtype": "float32", "use_distributed_optimizer": False,
+                  "max_tokens_per_microbatch": SEQ, "vocab_divisible_by": 64},
+    }
+    cfg = directory / "run.yaml"
+    cfg.write_text(yaml.safe_dump(run))
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """The CLI runs of the large-model tests below, started together, two at a time (each builds a
+    model on the meta device in one Python thread: one core): {name: (future of the finished process,
+    its --json-out path or None)}. Each test reads its own."""
+    root = tmp_path_factory.mktemp("plans")
+    big = ["--config", str(CFG_32B), "--hf-config", str(HF_32B), "--gpus", "64"]
+    runs = {"32b": [*big, "--json-out", str(root / "32b.json")], "32b-no-recompute": [*big, "actor.recompute=none"],
+            "32b-tp3": [*big, "actor.parallel.tp=3"]}
+    for recipe, (cfg, hf_cfg, gpus, _, _) in QWEN3_RECIPES.items():
+        files = ["--config", str(ROOT / "examples/configs" / cfg), "--hf-config", str(ROOT / "examples/configs" / hf_cfg)]
+        runs[recipe] = [*files, "--gpus", str(gpus), "--json-out", str(root / f"{recipe}.json")]
+        if json.loads((ROOT / "examples/configs" / hf_cfg).read_text()).get("num_experts"):
+            runs[f"{recipe}-8-gpus"] = [*files, "--gpus", "8", "--json"]
+    for name, (tp, pp, hf_config, ep) in MODEL_STATE_LAYOUTS.items():
+        runs[name] = ["--config", str(_model_state_run(root / name, tp, pp, hf_config, ep)), "--gpus", "2", "--json"]
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="plan")
+    # The slowest (the 128-expert MoE builds) first, so that they do not run last and alone.
+    order = sorted(runs, key=lambda name: "a3b" not in name)
+    futures = {name: pool.submit(_plan, *runs[name]) for name in order}
+    yield {name: (futures[name], root / f"{name}.json" if "--json-out" in runs[name] else None) for name in runs}
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_32b_true_parameter_count_and_fit(planned):
+    text = planned["32b"][0].result()
+    assert text.returncode == 0, text.stderr
+    plan = json.loads(planned["32b"][1].read_text())
+    assert abs(plan["num_parameters"] - 32.76e9) / 32.76e9 < 1e-3
+    assert (plan["tp"], plan["pp"], plan["cp"], plan["dp"]) == (8, 2, 2, 2)
+    assert plan["fits_recompute"] and not plan["fits"]  # 64k needs recomputation, as design section 5 says
+    assert 0 < plan["peak_bytes_recompute"] <= plan["capacity_bytes"]
+    assert "32,763,876,352 parameters" in text.stdout and "full recompute FITS" in text.stdout
+    no_recompute = planned["32b-no-recompute"][0].result()
+    assert no_recompute.returncode == 1, no_recompute.stdout  # the exit status follows actor.recompute
+
+
 @pytest.mark.parametrize("recipe", list(QWEN3_RECIPES))
-def test_qwen3_recipes_count_the_hf_models_parameters_and_fit_as_configured(tmp_path, recipe):
+def test_qwen3_recipes_count_the_hf_models_parameters_and_fit_as_configured(planned, recipe):
     """The planner's count (megatron-core meta build: q/k norms, head_dim 128 != hidden/heads) equals the HF
     model's own, and each recipe's layout fits with the recompute it sets (exit status 0)."""
     cfg, hf_cfg, gpus, layout, num_params = QWEN3_RECIPES[recipe]
     hf = json.loads((ROOT / "examples/configs" / hf_cfg).read_text())
     assert hf_num_params(hf) == num_params
-    out = _plan("--config", str(ROOT / "examples/configs" / cfg), "--hf-config", str(ROOT / "examples/configs" / hf_cfg),
-                "--gpus", str(gpus), "--json-out", str(tmp_path / "p.json"))
+    out = planned[recipe][0].result()
     assert out.returncode == 0, out.stdout + out.stderr
-    plan = json.loads((tmp_path / "p.json").read_text())
+    plan = json.loads(planned[recipe][1].read_text())
     assert plan["num_parameters"] == plan["num_parameters_padded"] == num_params  # 151936 = 1187 x 128
     assert (plan["tp"], plan["pp"], plan["cp"], plan["dp"]) == layout
     if hf.get("num_experts"):  # 8 of 128 experts per token: 3.35B active (Qwen's "A3B"), experts over EP 8
         assert plan["num_parameters_active"] == 3_353_032_704 and (plan["ep"], plan["etp"]) == (8, 1)
         assert plan["fits_recompute"] and not plan["fits"]
-        eight = _plan("--config", str(ROOT / "examples/configs" / cfg), "--hf-config",
-                      str(ROOT / "examples/configs" / hf_cfg), "--gpus", "8", "--json")
+        eight = planned[f"{recipe}-8-gpus"][0].result()  # the same recipe on 8 GPUs
         assert eight.returncode == 1 and not json.loads(eight.stdout)["fits_recompute"]  # expert-DP 1: no room
 
 
@@ -117,8 +160,8 @@ def test_invalid_layout_names_the_field(override, gpus, field):
         validate_layout(inputs)
 
 
-def test_cli_exit_status_on_invalid_layout():
-    out = _plan("--config", str(CFG_32B), "--hf-config", str(HF_32B), "--gpus", "64", "actor.parallel.tp=3")
+def test_cli_exit_status_on_invalid_layout(planned):
+    out = planned["32b-tp3"][0].result()
     assert out.returncode == 2 and "actor.parallel.tp=3" in out.stderr
 
 
@@ -168,21 +211,10 @@ def _measure(rank, world_size, tp, pp, hf_config, ep=1):
     return out
 
 
-@pytest.mark.parametrize("tp, pp, hf_config, ep", [(2, 1, TINY, 1), (1, 2, TINY, 1), (2, 1, TINY_QWEN3, 1),
-                                                   (1, 1, TINY_MOE, 2)],
-                         ids=["qwen2-tp2", "qwen2-pp2", "qwen3-tp2", "qwen3-moe-ep2"])
-def test_model_state_matches_a_real_cpu_actor(run_dist, tmp_path, tp, pp, hf_config, ep):
-    hf = tmp_path / "config.json"
-    hf.write_text(json.dumps(hf_config))
-    run = {
-        "model": {"hf_path": str(tmp_path)}, "data": {"max_prompt_tokens": SEQ // 2},
-        "rollout": {"max_response_tokens": SEQ // 2, "prompts_per_step": 2, "group_size": 2},
-        "actor": {"parallel": {"tp": tp, "pp": pp, "ep": ep}, "dtype": "float32", "use_distributed_optimizer": False,
-                  "max_tokens_per_microbatch": SEQ, "vocab_divisible_by": 64},
-    }
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump(run))
-    out = _plan("--config", str(cfg), "--gpus", "2", "--json")
+@pytest.mark.parametrize("layout", list(MODEL_STATE_LAYOUTS))
+def test_model_state_matches_a_real_cpu_actor(run_dist, planned, layout):
+    tp, pp, hf_config, ep = MODEL_STATE_LAYOUTS[layout]
+    out = planned[layout][0].result()  # tools/plan.py --gpus 2 --json on _model_state_run's YAML
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     # HF count: tied embedding once, vocab padding (100 -> 128) excluded

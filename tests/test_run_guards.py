@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -78,6 +79,7 @@ def test_sigterm_is_one_line_naming_the_step_and_where_resume_continues(stopped)
     assert not any(pid_alive(p) for p in server_pids(out))
 
 
+@pytest.mark.usefixtures("beside")  # starts the last three tests' runs now, beside this one
 def test_resume_past_newer_weight_versions_with_a_server_crash_trains_on(assets, stopped, tmp_path):
     """Issue 24, reproduction 1: resume from an older checkpoint while `hf_sync/` holds the killed run's
     later versions, then lose the built-in server after the resume's first weight sync. Those versions
@@ -207,12 +209,7 @@ def test_impossible_replies_are_retried_counted_never_trained_then_stop_the_run(
     assert sum(r.get("rollout/num_bad_replies", 0) for r in records) == corrupted > 0, seen
 
 
-def test_a_run_whose_servers_stay_on_an_old_version_stops_with_the_reason(assets, tmp_path, tiny_hf_dir):
-    """The progress watchdog, with its derived default: servers that keep reporting version 0 (as a
-    restarted server serving the base model did) make every token too stale to train once the trainer
-    is more than rollout.max_staleness (2) versions ahead, so no update is made after the first ones.
-    The run stops after `2 x (2 segments + 0 ahead) + 2 = 6` such steps with the reason, instead of
-    running to its end and exiting 0."""
+def _stuck_on_an_old_version(assets, tmp_path, tiny_hf_dir):
     def stuck(path, request, reply):
         if path == "/generate":
             meta = reply["meta_info"]
@@ -232,7 +229,33 @@ def test_a_run_whose_servers_stay_on_an_old_version_stops_with_the_reason(assets
             log = finish(proc)
     finally:
         server.stop()
-    assert proc.returncode == 2, log[-4000:]
+    return proc.returncode, log, out
+
+
+@pytest.fixture(scope="module")
+def beside(assets, stopped, tmp_path_factory, tiny_hf_dir):
+    """The runs of the last three tests, started once `stopped` is done (its SIGTERM is timed) and run
+    one after another beside the resume tests (a run uses about one core): {test: future of what the
+    test checks}. Each test checks its own as before."""
+    root = tmp_path_factory.mktemp("beside")
+    jobs = {"old_version": _stuck_on_an_old_version, "no_usable_row": _no_usable_row, "disk_full": _disk_full}
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guard-run")
+    futures = {}
+    for name, job in jobs.items():
+        (root / name).mkdir()
+        futures[name] = pool.submit(job, assets, root / name, tiny_hf_dir)
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_a_run_whose_servers_stay_on_an_old_version_stops_with_the_reason(beside):
+    """The progress watchdog, with its derived default: servers that keep reporting version 0 (as a
+    restarted server serving the base model did) make every token too stale to train once the trainer
+    is more than rollout.max_staleness (2) versions ahead, so no update is made after the first ones.
+    The run stops after `2 x (2 segments + 0 ahead) + 2 = 6` such steps with the reason, instead of
+    running to its end and exiting 0."""
+    code, log, out = beside["old_version"].result()  # _stuck_on_an_old_version
+    assert code == 2, log[-4000:]
     last = last_line(log)
     assert re.match(r"progress error: no optimizer update in 6 consecutive steps \((\d+)-(\d+); "
                     r"trainer.max_steps_without_update=6\), so the run cannot learn: step \d+: all \d+ token\(s\) too "
@@ -241,24 +264,25 @@ def test_a_run_whose_servers_stay_on_an_old_version_stops_with_the_reason(assets
     assert steps[-1] < 20 and "Traceback" not in log
 
 
-def test_data_file_without_a_usable_row_is_one_line(assets, tmp_path):
+def _no_usable_row(assets, tmp_path, tiny_hf_dir):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(50)))  # no answers
     out = tmp_path / "run"
     proc = start_train(run_config(assets, out, sections={"data": {"path": str(bad)}}), assets)
     log = finish(proc)
-    assert proc.returncode == 2, log[-4000:]
+    return proc.returncode, log, bad
+
+
+def test_data_file_without_a_usable_row_is_one_line(beside):
+    code, log, bad = beside["no_usable_row"].result()  # _no_usable_row
+    assert code == 2, log[-4000:]
     lines = [ln for ln in log.splitlines() if ln.strip() and not ln.startswith("megatron_bapo: ")]
     assert len(lines) == 1, log[-4000:]
     assert lines[0].startswith(f"config error: data.path={str(bad)!r} has no usable prompt among 50 rows (50 bad") \
         and "row 0: missing or empty 'answer'" in lines[0], lines[0]
 
 
-def test_disk_full_during_a_save_is_one_line_and_leaves_the_previous_checkpoint(assets, tmp_path):
-    """Issue 24, reproduction 4: the checkpoint filesystem (a 64 MiB tmpfs of its own, mounted in a
-    user namespace) fills up after the step-2 checkpoint; the step-4 save fails with one line naming
-    the path, the bytes free and the checkpoint kept, leaves no partial directory, and the kept
-    checkpoint is what a resume picks."""
+def _disk_full(assets, tmp_path, tiny_hf_dir):
     if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs `unshare -rm` (user namespaces) to mount a small filesystem for the run")
     out = tmp_path / "run"
@@ -276,6 +300,17 @@ wait $pid; echo $? > {tmp_path}/rc
 {py} -c "from megatron_bapo import run_state; print(run_state.latest_checkpoint('{out}'))" > {tmp_path}/resumes_from
 """
     subprocess.run(["unshare", "-rm", "sh", "-c", script], env=train_env(assets), timeout=600, check=True)
+    return ckpts
+
+
+def test_disk_full_during_a_save_is_one_line_and_leaves_the_previous_checkpoint(beside):
+    """Issue 24, reproduction 4: the checkpoint filesystem (a 64 MiB tmpfs of its own, mounted in a
+    user namespace) fills up after the step-2 checkpoint; the step-4 save fails with one line naming
+    the path, the bytes free and the checkpoint kept, leaves no partial directory, and the kept
+    checkpoint is what a resume picks."""
+    ckpts = beside["disk_full"].result()  # _disk_full (skips without `unshare -rm`)
+    out = ckpts.parent
+    tmp_path = out.parent
     log = (tmp_path / "log").read_text()
     assert (tmp_path / "rc").read_text().strip() == "2", log[-4000:]
     last = last_line(log)

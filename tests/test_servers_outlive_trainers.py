@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,7 @@ def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+@pytest.mark.usefixtures("refused_join")  # starts the last test's server and joins now, beside this test
 def test_a_resumed_trainer_clears_what_a_killed_one_left_on_its_servers(assets, tmp_path, tiny_hf_dir):
     server = start_server(tiny_hf_dir, log_path=tmp_path / "server.log")
     try:
@@ -99,7 +101,9 @@ if sys.argv[3] == "hold":
 """
 
 
-def test_a_refused_join_stops_the_wait_at_once_with_the_servers_reply(tmp_path, tiny_hf_dir):
+def _join_twice(tmp_path, tiny_hf_dir) -> subprocess.CompletedProcess:
+    """A joiner that is killed holding the group on a server of its own, then a second join: the
+    second's output."""
     server = start_server(tiny_hf_dir, log_path=tmp_path / "server.log")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
@@ -110,11 +114,24 @@ def test_a_refused_join_stops_the_wait_at_once_with_the_servers_reply(tmp_path, 
         finally:
             holder.kill()
             holder.wait(timeout=30)
-        done = subprocess.run([sys.executable, "-c", JOIN, server.url, "600", "exit"], env=env, capture_output=True,
+        return subprocess.run([sys.executable, "-c", JOIN, server.url, "600", "exit"], env=env, capture_output=True,
                               text=True, timeout=300)
-        line = done.stdout.strip()
-        assert "a server refused to join the weight update group 'weight_update_group'" in line, done.stdout + done.stderr
-        assert "group 'weight_update_group' already exists" in line, line
-        assert float(line.split(" s:")[0]) < 60, line  # not the 600 s group timeout
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def refused_join(tmp_path_factory, tiny_hf_dir):
+    """`_join_twice`, started beside the first test's runs (a run uses about one core): its future."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="join-twice")
+    future = pool.submit(_join_twice, tmp_path_factory.mktemp("refused_join"), tiny_hf_dir)
+    yield future
+    pool.shutdown(wait=True)
+
+
+def test_a_refused_join_stops_the_wait_at_once_with_the_servers_reply(refused_join):
+    done = refused_join.result()
+    line = done.stdout.strip()
+    assert "a server refused to join the weight update group 'weight_update_group'" in line, done.stdout + done.stderr
+    assert "group 'weight_update_group' already exists" in line, line
+    assert float(line.split(" s:")[0]) < 60, line  # not the 600 s group timeout

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from run_helpers import ROOT, run_config, start_train, write_assets
+from run_helpers import ROOT, finish, run_config, start_train, write_assets
 from sglang_proxy import RecordingProxy
 
 pytestmark = pytest.mark.slow
@@ -53,6 +54,32 @@ def check_records(records: Path, vocab_size: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+CHECK_EACH = """
+import contextlib, io, json, sys
+sys.path.insert(0, sys.argv[1])
+import sglang_conformance
+root = sglang_conformance.sglang_root()
+sglang_conformance.sglang_root = lambda: root  # after the first check, "sglang" is the bare package it registered
+for records, vocab_size in json.loads(sys.argv[2]):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        sglang_conformance.main(["--records", records, "--vocab-size", str(vocab_size)])
+    print(printed.getvalue().strip().splitlines()[-1], flush=True)
+"""
+"""`tools/sglang_conformance.py`'s main on each (records, vocab size) in turn, in one `.venv-sglang`
+process (each call checks its file with a new Checker; the sglang files it reads are loaded once)."""
+
+
+def check_each(files: list[tuple[Path, int]]) -> list[dict]:
+    """The reports of `check_records` for each file, in order, from one process."""
+    out = subprocess.run([str(SGLANG_PYTHON), "-c", CHECK_EACH, str(ROOT / "tools"),
+                          json.dumps([(str(records), vocab) for records, vocab in files])],
+                         capture_output=True, text=True, timeout=300)
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 0 and len(lines) == len(files), out.stdout[-3000:] + out.stderr[-3000:]
+    return [json.loads(line) for line in lines]
+
+
 @pytest.fixture(scope="module")
 def moe_hf_dir(tmp_path_factory):
     from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
@@ -62,35 +89,54 @@ def moe_hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory, tiny_hf_dir, moe_hf_dir):
-    """Each run's recorded requests (one server per run, behind its own proxy)."""
-    from megatron_bapo.server.launch import start_server
-
+    """Each run's recorded requests (one server per run, behind its own proxy). The runs are
+    independent: two go at a time (a run spends most of its time on one core, starting its server and
+    importing)."""
     if not SGLANG_PYTHON.exists():
         pytest.fail(f"{SGLANG_PYTHON} is missing: run bash tools/install.sh --with-sglang")
     root = tmp_path_factory.mktemp("conformance")
     write_assets(root)
-    out = {}
-    for name, sync, trainer, deterministic in RUNS:
-        moe = name in MOE_RUNS
-        model = moe_hf_dir if moe else tiny_hf_dir
-        assets = (root, model)
-        records = root / f"{name}.jsonl"
-        flags = ["--num-threads", "1", *(["--enable-deterministic-inference"] if deterministic else []),
-                 *(["--enable-return-routed-experts"] if moe else [])]
-        with start_server(model, extra_args=flags) as server, RecordingProxy(server.url, records) as proxy:
-            sections = {"sync": {**sync, "group_timeout_s": 120},
-                        "rollout": {"group_size": 4, "prompts_per_step": 3, "max_response_tokens": 6,
-                                    "segment_tokens": 3, "max_staleness": 3, "deterministic_inference": deterministic,
-                                    "return_routed_experts": moe,
-                                    "client": {"urls": [proxy.url], "health_timeout_s": 180}}}
-            if moe:
-                sections["actor"] = {"optim": {"lr": 1e-3}, "n_minibatches": 2, "max_tokens_per_microbatch": 256,
-                                     "vocab_divisible_by": 64, "routing_replay": True}
-            proc = start_train(run_config(assets, root / name, sections=sections, **trainer), assets)
-            log, _ = proc.communicate(timeout=600)
-            assert proc.returncode == 0, log[-4000:]
-        out[name] = records
-    return out
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="conformance") as pool:
+        # The MoE run (the longest) first, so that it does not run last and alone.
+        futures = {run[0]: pool.submit(_record, root, *run, tiny_hf_dir=tiny_hf_dir, moe_hf_dir=moe_hf_dir)
+                   for run in sorted(RUNS, key=lambda run: run[0] not in MOE_RUNS)}
+        return {name: futures[name].result() for name, *_ in RUNS}
+
+
+@pytest.fixture(scope="module")
+def reports(recorded, tiny_hf_dir, moe_hf_dir):
+    """Each run's conformance report (`check_records`), all from one checker process."""
+    from transformers import AutoConfig
+
+    files = [(recorded[name], AutoConfig.from_pretrained(moe_hf_dir if name in MOE_RUNS else tiny_hf_dir).vocab_size)
+             for name, *_ in RUNS]
+    return dict(zip([r[0] for r in RUNS], check_each(files)))
+
+
+def _record(root: Path, name: str, sync: dict, trainer: dict, deterministic: bool, *, tiny_hf_dir: Path,
+            moe_hf_dir: Path) -> Path:
+    """One run behind a recording proxy, on its own built-in server; returns the records' path."""
+    from megatron_bapo.server.launch import start_server
+
+    moe = name in MOE_RUNS
+    model = moe_hf_dir if moe else tiny_hf_dir
+    assets = (root, model)
+    records = root / f"{name}.jsonl"
+    flags = ["--num-threads", "1", *(["--enable-deterministic-inference"] if deterministic else []),
+             *(["--enable-return-routed-experts"] if moe else [])]
+    with start_server(model, extra_args=flags) as server, RecordingProxy(server.url, records) as proxy:
+        sections = {"sync": {**sync, "group_timeout_s": 120},
+                    "rollout": {"group_size": 4, "prompts_per_step": 3, "max_response_tokens": 6,
+                                "segment_tokens": 3, "max_staleness": 3, "deterministic_inference": deterministic,
+                                "return_routed_experts": moe,
+                                "client": {"urls": [proxy.url], "health_timeout_s": 180}}}
+        if moe:
+            sections["actor"] = {"optim": {"lr": 1e-3}, "n_minibatches": 2, "max_tokens_per_microbatch": 256,
+                                 "vocab_divisible_by": 64, "routing_replay": True}
+        proc = start_train(run_config(assets, root / name, sections=sections, **trainer), assets)
+        log = finish(proc)
+        assert proc.returncode == 0, f"{name}: " + log[-4000:]
+    return records
 
 
 def test_pinned_sglang_is_what_the_check_reads():
@@ -100,11 +146,9 @@ def test_pinned_sglang_is_what_the_check_reads():
 
 
 @pytest.mark.parametrize("name", [r[0] for r in RUNS])
-def test_every_recorded_request_conforms_to_the_pinned_sglang(recorded, name, tiny_hf_dir, moe_hf_dir):
-    from transformers import AutoConfig
-
-    model = moe_hf_dir if name in MOE_RUNS else tiny_hf_dir
-    report = check_records(recorded[name], AutoConfig.from_pretrained(model).vocab_size)
+def test_every_recorded_request_conforms_to_the_pinned_sglang(recorded, reports, name):
+    report = reports[name]
+    assert report["checked"] == len(recorded[name].read_text().splitlines())
     assert report["sglang"] == PINS["SGLANG_VERSION"]
     assert report["violations"] == [], "\n".join(report["violations"][:20])
     # The run really exercised what it is meant to cover.
@@ -190,9 +234,11 @@ def test_an_end_without_session_is_only_the_clearing_before_a_join(tmp_path, tin
     end = {"method": "POST", "path": "/end_weight_update", "body": {}}
     destroy = {"method": "POST", "path": "/destroy_weights_update_group", "body": {"group_name": "weight_update_group"}}
     flush = {"method": "POST", "path": "/flush_cache", "body": None}
-    for name, rows, bad in (("clearing", [end, destroy, flush], 0), ("stray", [end, flush], 1), ("last", [end], 1)):
-        records = tmp_path / f"{name}.jsonl"
-        records.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        violations = check_records(records, vocab)["violations"]
+    cases = (("clearing", [end, destroy, flush], 0), ("stray", [end, flush], 1), ("last", [end], 1))
+    for name, rows, _ in cases:
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reports = check_each([(tmp_path / f"{name}.jsonl", vocab) for name, _, _ in cases])
+    for (name, _, bad), report in zip(cases, reports):
+        violations = report["violations"]
         assert len(violations) == bad, (name, violations)
         assert all("#0 POST /end_weight_update: no weight-update session is open" in v for v in violations), violations

@@ -9,12 +9,13 @@ import json
 import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
 
 from megatron_bapo.metrics import read_jsonl_metrics, read_tensorboard_scalars
-from run_helpers import pid_alive, pids_running, run_config, server_pids, start_train, write_assets
+from run_helpers import finish, pid_alive, pids_running, run_config, server_pids, start_train, write_assets
 
 pytestmark = pytest.mark.slow
 # design section 4 metrics (and rollout/timing ones) the trainer must log every step.
@@ -33,11 +34,73 @@ def assets(tmp_path_factory, tiny_hf_dir):
     return write_assets(tmp_path_factory.mktemp("trainer_assets")), tiny_hf_dir
 
 
-def test_train_end_to_end_tensorboard_and_cleanup(assets, tmp_path):
-    out = tmp_path / "run"
-    proc = start_train(run_config(assets, out), assets)
-    log, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, log[-4000:]
+def _run(config, assets) -> tuple[int, str]:
+    proc = start_train(config, assets)
+    log = finish(proc)
+    return proc.returncode, log
+
+
+def _kill_mid_step_then_resume(config, assets, out) -> str:
+    """SIGKILL the run after step 2's checkpoint, once step 3's rollout is recorded (mid-step: before
+    its update); check that nothing it started outlives it; resume it. Returns the resumed run's log."""
+    proc = start_train(config, assets)
+    ledger = out / "samples.jsonl"
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"trainer exited early: {proc.stdout.read()[-4000:]}")
+            steps = [json.loads(ln)["step"] for ln in ledger.read_text().splitlines()] if ledger.exists() else []
+            latest = out / "checkpoints" / "latest"
+            if 3 in steps and latest.exists() and latest.read_text().strip() == "step_000002":
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("timed out waiting for step 3")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed_servers = server_pids(out)
+    # Orphaned built-in servers notice their parent is gone and exit on their own.
+    t0 = time.monotonic()
+    while any(pid_alive(p) for p in killed_servers) and time.monotonic() - t0 < 30:
+        time.sleep(0.2)
+    assert not any(pid_alive(p) for p in killed_servers), "built-in servers outlived the killed trainer"
+    assert pids_running(config) == [], "a process forked by the trainer outlived it"
+
+    resumed = start_train(config, assets, "--resume")
+    log = finish(resumed)
+    assert resumed.returncode == 0, log[-4000:]
+    return log
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory):
+    """The module's CLI runs, started together and run two at a time (a run spends most of its time on
+    one core: its imports, its server's start): {name: (config, output_dir, future)}. The futures give
+    (exit status, console output) for "end_to_end" and "async", the resumed run's console output for
+    "sigkill_0" and "sigkill_1" (the kill and its checks run in the pool too). Each test checks its own."""
+    root = tmp_path_factory.mktemp("trainer_runs")
+    configs = {
+        "end_to_end": run_config(assets, root / "end_to_end"),
+        "sigkill_0": run_config(assets, root / "sigkill_0", total_steps=4, save_every=1, async_steps=0),
+        "sigkill_1": run_config(assets, root / "sigkill_1", total_steps=4, save_every=1, async_steps=1),
+        "async": run_config(assets, root / "async", total_steps=5, save_every=0, async_steps=1,
+                            max_steps_without_update=2),
+    }
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainer-run")
+    futures = {name: pool.submit(_kill_mid_step_then_resume, config, assets, root / name) if name.startswith("sigkill")
+               else pool.submit(_run, config, assets) for name, config in configs.items()}
+    yield {name: (configs[name], root / name, futures[name]) for name in configs}
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_train_end_to_end_tensorboard_and_cleanup(runs):
+    _, out, future = runs["end_to_end"]
+    code, log = future.result()
+    assert code == 0, log[-4000:]
     # The console: compact lines (the last step's, with console_every=10), eval results, no INFO
     # records; those are in logs/train.log.
     assert re.search(r"^step 3/3  reward [\d.]+  acc [\d.]+  c_low [\d.]+ c_high [\d.]+  rho [\d.]+->[\d.]+  "
@@ -71,46 +134,15 @@ def test_train_end_to_end_tensorboard_and_cleanup(assets, tmp_path):
 
 
 @pytest.mark.parametrize("async_steps", [0, 1])
-def test_sigkill_mid_step_then_resume_loses_and_duplicates_nothing(assets, tmp_path, async_steps):
+def test_sigkill_mid_step_then_resume_loses_and_duplicates_nothing(runs, async_steps):
     """SIGKILL mid-step, resume: the ledger shows no prompt lost or trained twice. With rollout one
     step ahead (async_steps=1) the checkpoint also holds the round produced ahead, and the servers
     have requests in flight when the trainer dies."""
-    out = tmp_path / "run"
-    config = run_config(assets, out, total_steps=4, save_every=1, async_steps=async_steps)
-    proc = start_train(config, assets)
-    ledger = out / "samples.jsonl"
-    deadline = time.monotonic() + 600
-    try:
-        # Kill after step 2's checkpoint, once step 3's rollout is recorded (mid-step: before its update).
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"trainer exited early: {proc.stdout.read()[-4000:]}")
-            steps = [json.loads(ln)["step"] for ln in ledger.read_text().splitlines()] if ledger.exists() else []
-            latest = out / "checkpoints" / "latest"
-            if 3 in steps and latest.exists() and latest.read_text().strip() == "step_000002":
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("timed out waiting for step 3")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    killed_servers = server_pids(out)
-    # Orphaned built-in servers notice their parent is gone and exit on their own.
-    t0 = time.monotonic()
-    while any(pid_alive(p) for p in killed_servers) and time.monotonic() - t0 < 30:
-        time.sleep(0.2)
-    assert not any(pid_alive(p) for p in killed_servers), "built-in servers outlived the killed trainer"
-    assert pids_running(config) == [], "a process forked by the trainer outlived it"
-
-    resumed = start_train(config, assets, "--resume")
-    log, _ = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, log[-4000:]
+    _, out, future = runs[f"sigkill_{async_steps}"]
+    log = future.result()  # killed mid-step, nothing of it left running, resumed (_kill_mid_step_then_resume)
     assert "resuming from" in log and "step_000002" in log
 
-    lines = [json.loads(ln) for ln in ledger.read_text().splitlines()]
+    lines = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [1, 2, 3, 4]
     drawn = [i for ln in lines for i in ln["drawn"]]
     trained_groups = [g for ln in lines for g, _ in ln["trained"]]
@@ -132,17 +164,15 @@ def test_sigkill_mid_step_then_resume_loses_and_duplicates_nothing(assets, tmp_p
     assert [r["step"] for r in records if "bapo/c_high" in r] == [2, 3, 4]  # step 1 finished no group
 
 
-def test_async_rollout_runs_ahead_within_the_staleness_cap(assets, tmp_path):
+def test_async_rollout_runs_ahead_within_the_staleness_cap(runs):
     """trainer.async_steps=1: rounds are produced one step ahead (the trainer finds them ready), no
     trained token is more than rollout.max_staleness versions old, and some are older than the
     update that trains them (off-policy, as intended). The progress watchdog at the tightest limit
     the config accepts (2: a response takes 2 steps) does not stop this healthy partial + async run;
     its derived default (2 x (2 + 1) + 2 = 8) is four times that."""
-    out = tmp_path / "run"
-    config = run_config(assets, out, total_steps=5, save_every=0, async_steps=1, max_steps_without_update=2)
-    proc = start_train(config, assets)
-    log, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, log[-4000:]
+    config, out, future = runs["async"]
+    code, log = future.result()
+    assert code == 0, log[-4000:]
     records = [r for r in read_jsonl_metrics(out / "tb") if "timing/step_s" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     trained = [r for r in records if "staleness/version_lag_max" in r]
