@@ -96,11 +96,8 @@ class DriverProcess:
         logger.info("driver process %d started (servers, client, rewards, eval, metrics)", self._proc.pid)
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        result, _ = self._timed_call(method, *args, **kwargs)
-        return result
-
-    def _timed_call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-        """(the child's result, seconds rank 0 spent beyond the child's own time: transfer and pickling)."""
+        """The child's result; the seconds rank 0 spent beyond the child's own time (transfer and
+        pickling) add up in `_overhead`."""
         with self._lock:
             self._drain()
             started = time.monotonic()
@@ -113,13 +110,12 @@ class DriverProcess:
                 raise DriverProcessError(self._gone(f"could not be asked to {method} ({exc})")) from None
             kind, value, seconds = self._receive(None)
             self._pending = False
-        overhead = max(time.monotonic() - started - seconds, 0.0)
-        self._overhead += overhead
+        self._overhead += max(time.monotonic() - started - seconds, 0.0)
         if isinstance(value, DriverStopped):  # the child alone got SIGTERM (rank 0's own would have ended the call)
             raise DriverProcessError(f"the driver process was stopped by a signal during {method}; rerun with --resume")
         if kind == "error":
             raise value
-        return value, overhead
+        return value
 
     def _receive(self, timeout: Optional[float]) -> tuple[str, Any, float]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -163,7 +159,7 @@ class DriverProcess:
         """(`actor.scatter.Shipment` or None, metrics). `timing/driver_rank0_s`: what the driver cost rank
         0's process since the previous step's batch, beyond the child's own time: the pipe, pickling,
         the shipment and the weight buckets handed over (the work itself runs in the child)."""
-        (packed, metrics), _ = self._timed_call("next_batch", step, version)
+        packed, metrics = self._call("next_batch", step, version)
         metrics["timing/driver_rank0_s"], self._overhead = self._overhead, 0.0
         if packed is None:
             return None, metrics
