@@ -24,7 +24,9 @@ def test_the_trainer_trains_on_sglang_servers_it_starts(tmp_path, tiny_hf_dir):
         pytest.fail(f"{SGLANG_PYTHON} is missing: run bash tools/install.sh --with-sglang (tools/run_tests.sh does)")
     assets = (write_assets(tmp_path), tiny_hf_dir)
     out = tmp_path / "run"
-    config = run_config(assets, out, async_steps=1, sections={
+    # The driver in its own process, as the recipes run it: the weight buckets go from the trainer through
+    # the driver process's pool into SGLang's weight group.
+    config = run_config(assets, out, async_steps=1, driver_process=True, sections={
         "rollout": {"engine": "sglang", "deterministic_inference": False, "group_size": 4, "prompts_per_step": 3,
                     "max_response_tokens": 6, "segment_tokens": 3, "max_staleness": 3,
                     "client": {"health_timeout_s": 300}},
