@@ -183,7 +183,8 @@ class ServerPool:
                 f"lm_head.weight) or use rollout.engine=builtin")
 
     def _server_gpus(self) -> Optional[list[list[int]]]:
-        """Each SGLang server's GPUs (`rollout.sglang.gpu_ids`), None for CPU servers."""
+        """Each SGLang server's GPUs (`rollout.sglang.gpu_ids`: ids of the devices this process sees, which
+        `sglang_launch` maps through its CUDA_VISIBLE_DEVICES), None for CPU servers."""
         if self.rollout.engine != "sglang" or self.rollout.sglang.resolved_device() != "cuda":
             return None
         import torch

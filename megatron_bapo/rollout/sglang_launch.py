@@ -11,6 +11,9 @@ pool's `required_server_flags`: `--disable-radix-cache` under the in_place pause
 API key, the random seed, `--weight-version 0`, and the device: on CPU `--device cpu` with
 `SGLANG_USE_CPU_ENGINE=1` (SGLang's torch-native path; the venv `tools/install.sh --with-sglang`
 builds, see `sglang_cpu/README.md`), on GPUs the server's own GPUs through `CUDA_VISIBLE_DEVICES`.
+GPU ids are indices into the devices this process sees, as `torch.cuda` and the actor's ranks count
+them: under `CUDA_VISIBLE_DEVICES=4,5,6,7` id 1 is physical GPU 5, and the server is given `5`
+(`physical_gpus`; UUID and MIG entries pass through as written).
 It runs under a small bootstrap that starts the built-in server's parent watch first, so a server
 exits when the trainer that started it dies, even by SIGKILL (SGLang's own children follow their
 parent).
@@ -22,6 +25,7 @@ fails) and `--enable-return-routed-experts` (dies in a CUDA-only buffer).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -29,6 +33,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megatron_bapo.config_io import ConfigError
+
+logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
@@ -63,8 +69,10 @@ class SGLangLaunchConfig:
     """"cpu", "cuda", or "auto" (cuda when this process sees a GPU)."""
     gpu_ids: Optional[list[int]] = None
     """GPUs the servers get, `tp_size` consecutive entries per server (server i: entries
-    [i * tp_size, (i + 1) * tp_size)), passed as CUDA_VISIBLE_DEVICES. None: the GPUs after the ones
-    this node's actor ranks use (LOCAL_WORLD_SIZE of torchrun, else 1)."""
+    [i * tp_size, (i + 1) * tp_size)). Ids index the devices this process sees (its
+    CUDA_VISIBLE_DEVICES list when set, else every GPU), as the actor's LOCAL_RANK does; each server is
+    given the matching entries as its CUDA_VISIBLE_DEVICES. None: the visible GPUs after the ones this
+    node's actor ranks use (LOCAL_WORLD_SIZE of torchrun, else 1)."""
     tp_size: int = 1
     """SGLang's --tp-size: GPUs per server. The weight group gives each server that many ranks."""
     dtype: Optional[str] = None
@@ -125,24 +133,55 @@ def check_cpu_support(flags: Sequence[str]) -> None:
             raise ConfigError(f"rollout.engine=sglang on a CPU cannot launch with {flag}: {CPU_UNSUPPORTED[flag]}")
 
 
+_FIX = "ids index the visible devices, so use ids in 0..{} or make the GPUs visible to the job"
+
+
+def visible_devices() -> Optional[list[str]]:
+    """This process's CUDA_VISIBLE_DEVICES entries in order (indices, `GPU-...` / `MIG-...` UUIDs, as
+    written), or None when it is unset (every GPU is visible, in CUDA's order)."""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if raw is None else [e.strip() for e in raw.split(",") if e.strip()]
+
+
+def physical_gpus(ids: Sequence[int]) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entries of a server whose GPUs are `ids` as this process counts them
+    (index i: the i-th entry of this process's CUDA_VISIBLE_DEVICES; unset: i itself). A child given
+    the bare ids would count from the machine's first GPU instead, and land on another job's GPUs.
+    ConfigError naming rollout.sglang.gpu_ids when an id is past the visible list."""
+    visible = visible_devices()
+    if visible is None:
+        return [str(int(i)) for i in ids]
+    bad = [i for i in ids if not 0 <= i < len(visible)]
+    if bad:
+        raise ConfigError(f"rollout.sglang.gpu_ids: GPU id(s) {bad} are past the {len(visible)} device(s) this process "
+                          f"sees (CUDA_VISIBLE_DEVICES={','.join(visible)}); {_FIX.format(len(visible) - 1)}")
+    return [visible[i] for i in ids]
+
+
 def server_gpus(cfg: SGLangLaunchConfig, num_servers: int, *, num_visible: int,
                 num_actor_gpus: Optional[int] = None) -> list[list[int]]:
-    """The GPUs of each of `num_servers` servers (see `SGLangLaunchConfig.gpu_ids`); ConfigError when
-    there are too few (`num_visible`: GPUs on this node)."""
+    """The GPUs of each of `num_servers` servers (see `SGLangLaunchConfig.gpu_ids`), as ids of the
+    devices this process sees (`num_visible`: `torch.cuda.device_count()`, which counts only those);
+    `sglang_command` maps them to the server's CUDA_VISIBLE_DEVICES. ConfigError when there are too few."""
 
     need = num_servers * cfg.tp_size
+    visible = visible_devices()
+    if visible is not None:
+        num_visible = min(num_visible, len(visible))
+    seen = f"this process sees {num_visible} GPU(s)" + (
+        f" (CUDA_VISIBLE_DEVICES={','.join(visible)})" if visible is not None else "")
     if cfg.gpu_ids is not None:
         ids, where = list(cfg.gpu_ids), f"rollout.sglang.gpu_ids={cfg.gpu_ids}"
     else:
         first = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if num_actor_gpus is None else num_actor_gpus
-        ids, where = list(range(first, num_visible)), f"the {num_visible - first} GPU(s) after the actor's {first}"
+        ids, where = list(range(first, num_visible)), f"the {max(num_visible - first, 0)} GPU(s) after the actor's {first}"
     if len(ids) < need:
         raise ConfigError(f"{num_servers} SGLang server(s) x rollout.sglang.tp_size={cfg.tp_size} need {need} GPU(s), "
-                          f"but {where} give {len(ids)}; set rollout.sglang.gpu_ids, rollout.num_builtin_servers "
-                          f"or rollout.sglang.tp_size")
+                          f"but {where} give {len(ids)} ({seen}); set rollout.sglang.gpu_ids, "
+                          f"rollout.num_builtin_servers or rollout.sglang.tp_size")
     bad = [i for i in ids[:need] if i >= num_visible]
     if bad:
-        raise ConfigError(f"rollout.sglang.gpu_ids names GPU(s) {bad}, but this node has {num_visible}")
+        raise ConfigError(f"rollout.sglang.gpu_ids names GPU(s) {bad}, but {seen}; {_FIX.format(num_visible - 1)}")
     return [ids[i * cfg.tp_size:(i + 1) * cfg.tp_size] for i in range(num_servers)]
 
 
@@ -150,8 +189,9 @@ def sglang_command(cfg: SGLangLaunchConfig, *, model_path: str, port: int, rando
                    flags: Sequence[str] = (), host: str = "127.0.0.1", api_key: Optional[str] = None,
                    gpus: Optional[Sequence[int]] = None, python: Optional[str] = None) -> tuple[list[str], dict]:
     """The command line and the environment variables (on top of the caller's) of one SGLang server.
-    `gpus`: its GPUs on a GPU device (`server_gpus`). `python`: the interpreter (default: the config's,
-    resolved)."""
+    `gpus`: its GPUs on a GPU device (`server_gpus`: ids of the devices this process sees; the server's
+    CUDA_VISIBLE_DEVICES names the same devices, `physical_gpus`). `python`: the interpreter (default:
+    the config's, resolved)."""
 
     device = cfg.resolved_device()
     cmd = [python or cfg.resolved_python(), "-c", BOOT, "--model-path", str(model_path), "--host", host,
@@ -168,7 +208,7 @@ def sglang_command(cfg: SGLangLaunchConfig, *, model_path: str, port: int, rando
     else:
         if gpus is None or len(gpus) != cfg.tp_size:
             raise ValueError(f"a GPU server needs its {cfg.tp_size} GPU id(s) (server_gpus), got {gpus}")
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(physical_gpus(gpus))
     defaults = CPU_DEFAULTS if device == "cpu" else {}
     for name in ("dtype", "mem_fraction_static", "max_total_tokens"):
         value = getattr(cfg, name)
@@ -199,6 +239,9 @@ def start_sglang_server(cfg: SGLangLaunchConfig, *, model_path: str, log_path: P
     port = free_port(host) if port is None else int(port)
     cmd, extra_env = sglang_command(cfg, model_path=model_path, port=port, random_seed=random_seed, flags=flags,
                                     host=host, api_key=api_key, gpus=gpus)
+    if "CUDA_VISIBLE_DEVICES" in extra_env:
+        logger.info("SGLang server on port %d: GPU(s) %s of this process, CUDA_VISIBLE_DEVICES=%s", port, list(gpus),
+                    extra_env["CUDA_VISIBLE_DEVICES"])
     env = {**os.environ, **extra_env}
     return launch_process(cmd, host=host, port=port, log_path=Path(log_path), startup_timeout_s=startup_timeout_s,
                           env=env, name="SGLang server")
