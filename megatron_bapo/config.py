@@ -158,8 +158,8 @@ class RolloutConfig(PartialRolloutConfig):
     the built-in servers' start)."""
     max_failed_group_rate: float = 0.5
     """A step in which the servers rejected (4xx) the requests of more than this fraction of the
-    groups it finished or dropped stops the run with their message (a setting, not the data, is
-    wrong); 1 disables."""
+    groups that ended in it (failed, or finished: trained, dropped by dynamic sampling or carried
+    over) stops the run with their message (a setting, not the data, is wrong); 1 disables."""
     max_server_restarts: int = 3
     """Times the trainer restarts a built-in server that died (each restart counted and logged)."""
     dynamic_sampling: str = "off"

@@ -264,13 +264,21 @@ class Driver:
         return next((t.user_time + t.system_time for t in psutil.Process().threads() if t.id == tid), 0.0)
 
     def _check_rejections(self, done: Any) -> None:
+        """Stop the run when the servers rejected more than `rollout.max_failed_group_rate` of the groups
+        that ended in this step's rounds: the failed ones over every group that finished or failed in
+        the same rounds (`rollout/num_groups_finished` + `rollout/num_groups_failed`, counted together
+        by the partial-rollout manager). Finished groups include those dynamic sampling dropped (zero
+        variance) or carried to the next step; dividing by the trained ones alone read a filter run's
+        12% as 43%."""
         from megatron_bapo.rollout.errors import RolloutError
 
         failed = int(done.metrics.get("rollout/num_groups_failed", 0))
-        total = failed + len(done.groups)
+        finished = int(done.metrics.get("rollout/num_groups_finished", len(done.groups) + len(done.dropped)))
+        total = failed + finished
         if failed and failed > self.config.rollout.max_failed_group_rate * total:
             raise RolloutError(
-                f"the servers rejected (4xx) the requests of {failed} of {total} groups this step, so they were dropped; "
+                f"the servers rejected (4xx) the requests of {failed} of {total} groups that ended this step "
+                f"({finished} finished), so they were dropped; "
                 f"first rejection: {done.rejections[0] if done.rejections else '?'}. A setting is wrong (e.g. "
                 f"rollout.max_response_tokens over the servers' context, or a sampling parameter); raise "
                 f"rollout.max_failed_group_rate={self.config.rollout.max_failed_group_rate} to train on regardless")
