@@ -172,6 +172,12 @@ class RolloutConfig(PartialRolloutConfig):
     max_refill_rounds: int = 8
     """With `dynamic_sampling: refill`, extra rollout rounds per step at most; a step that reaches it
     trains what it has and logs `rollout/refill_cap_hit` = 1."""
+    refill_headroom: float = 0.1
+    """With `dynamic_sampling: refill`, the reserve of groups with signal each round's draw aims to
+    have finished ahead, as a fraction of what the pipeline needs (`rollout/refill_forecast.py`):
+    0.1 keeps refill at ~1 rollout round per step at the 32B recipe's proportions (docs/rollout.md);
+    0 draws just the expected need (more steps then need a refill round); larger values carry more
+    finished groups between steps (older when trained)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn rollouts with tools (`rollout.agent.tools`, docs/rollout.md#multi-turn-rollouts-with-tools);
     no tools: single-turn. Evaluation runs the same agent loop."""
@@ -192,6 +198,8 @@ class RolloutConfig(PartialRolloutConfig):
             raise ConfigError(f"rollout.dynamic_sampling must be one of {DYNAMIC_SAMPLING}, got {self.dynamic_sampling!r}")
         if self.max_refill_rounds < 1:
             raise ConfigError(f"rollout.max_refill_rounds must be >= 1, got {self.max_refill_rounds}")
+        if not 0 <= self.refill_headroom <= 4:
+            raise ConfigError(f"rollout.refill_headroom must be in [0, 4], got {self.refill_headroom}")
         if self.builtin_server_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"rollout.builtin_server_dtype must be 'float32' or 'bfloat16', got "
                               f"{self.builtin_server_dtype!r}")

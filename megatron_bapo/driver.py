@@ -83,7 +83,7 @@ class Driver:
         from megatron_bapo.experience import score_groups
         from megatron_bapo.rollout import PartialRolloutManager
         from megatron_bapo.rollout.agent import AgentLoop
-        from megatron_bapo.rollout.dynamic_sampling import DynamicSampler, manager_round, requeue_into
+        from megatron_bapo.rollout.dynamic_sampling import DynamicSampler, in_flight_of, manager_round, requeue_into
         from megatron_bapo.rollout.producer import RolloutProducer
 
         cfg, ro = self.config, self.config.rollout
@@ -118,7 +118,8 @@ class Driver:
             mode=ro.dynamic_sampling, prompts_per_step=ro.prompts_per_step, max_refill_rounds=ro.max_refill_rounds,
             draw=lambda n: self.dataset.next_batch(n) if manager.ready_for_prompts() else [],
             advance=manager_round(manager), requeue=requeue_into(manager),
-            score=self._score, sample_metrics=self.agent.sample_metrics if self.agent is not None else None)
+            score=self._score, sample_metrics=self.agent.sample_metrics if self.agent is not None else None,
+            in_flight=in_flight_of(manager), headroom=ro.refill_headroom)
         self.producer = RolloutProducer(self.client, manager, self.sampler.produce, ahead=cfg.trainer.async_steps,
                                         served_version=lambda: self.pool.version, interrupt=self.sampler.interrupt)
         if state:

@@ -102,6 +102,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "rollout.dynamic_sampling": (APPLIED, "the first resumed step keeps, drops or refills under the new mode; groups an "
                                           "earlier refill carried over (scored, in the buffer) are trained first"),
     "rollout.max_refill_rounds": (APPLIED, _LIVE),
+    "rollout.refill_headroom": (APPLIED, _LIVE),
     "rollout.agent.tools": (APPLIED, "calls made after the resume run against the new list (a pending call to a tool "
                                      "no longer listed gets the unknown-tool error message, as any such call does)"),
     "rollout.agent.max_turns": (APPLIED, "buffered multi-turn samples end at the new limit"),

@@ -95,6 +95,54 @@ def test_a_round_an_abort_pause_cut_before_any_group_finished_goes_on(server, ti
         assert all(len(s.response_ids) == 64 for g in done.groups for s in g.samples)
 
 
+def test_no_short_round_follows_a_checkpoint(server, tiny_hf_dir):
+    """A checkpoint pauses the producer with abort while the round of the next step is in flight
+    (rollout one step ahead, `dynamic_sampling: off`). 16 one-sample groups of 64 tokens in one
+    segment each, 2 requests at a time: uninterrupted, the round finishes all 16. The checkpoint's
+    state holds the cut step; both the producer that goes on and one restored from that state hand
+    over all 16 groups with whole responses (at b74de61 the round the abort ended was handed over
+    with the 1-3 groups finished before it)."""
+    from megatron_bapo.rollout.dynamic_sampling import DynamicSampler, in_flight_of, manager_round, requeue_into
+    from megatron_bapo.rollout.producer import RolloutProducer
+
+    cfg = PartialRolloutConfig(group_size=1, max_response_tokens=64, segment_tokens=64, max_staleness=None,
+                               sampling=SamplingConfig(ignore_eos=True))
+
+    def sampler_for(manager, todo):
+        return DynamicSampler(mode="off", prompts_per_step=16, max_refill_rounds=1,
+                              draw=lambda n: [todo.pop(0) for _ in range(min(n, len(todo)))],
+                              advance=manager_round(manager), requeue=requeue_into(manager),
+                              score=lambda groups: None, in_flight=in_flight_of(manager))
+
+    def whole(done):
+        return len(done.groups) == 16 and all(len(s.response_ids) == 64 for s in flatten(done.groups))
+
+    with RolloutClient(RolloutClientConfig(urls=[server.url], max_concurrency=2)) as client:
+        client.update_weights_from_disk(str(tiny_hf_dir), 0)
+        manager = PartialRolloutManager(client, cfg)
+        sampler = sampler_for(manager, _prompts(16))
+        producer = RolloutProducer(client, manager, sampler.produce, ahead=1, served_version=lambda: 0,
+                                   interrupt=sampler.interrupt)
+        producer.start()  # one round ahead: it starts before the trainer asks
+        deadline = time.monotonic() + 60
+        while client.stats["num_requests"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        producer.pause(abort=True)  # the checkpoint
+        state = {"rollout": manager.state_dict(), "rounds": producer.state_dict(), "sampling": sampler.state_dict()}
+        producer.resume()
+        done, _ = producer.next()
+        producer.stop()
+        assert whole(done), f"{len(done.groups)} groups handed over after the checkpoint"
+
+        restored = PartialRolloutManager(client, cfg)  # a run resumed from that checkpoint
+        restored.load_state_dict(state["rollout"])
+        again = sampler_for(restored, [])
+        again.load_state_dict(state["sampling"])
+        assert state["sampling"]["step"]["cut"] and not state["rounds"]["ready"]
+        assert whole(client.run(again.produce(0)))
+
+
 def test_concurrency_follows_the_servers_kv_cache(tiny_hf_dir, tmp_path, caplog):
     """A server with 400 tokens of KV (`--max-total-tokens`), requests of a 4-token prompt and up to
     64 tokens in 16-token segments (4 + 16 x 5 / 2 = 44 KV tokens at a segment's end, on average):

@@ -28,14 +28,17 @@ class ScriptedRollout:
         self.calls = 0
         self.next_index = 0
         self.scored: list[str] = []
+        self.versions: list[int] = []
+        self.advanced = 0
 
     def draw(self, n):
         out = [Prompt(prompt_ids=[1, 2], answer="", index=self.next_index + i) for i in range(n)]
         self.next_index += n
         return out
 
-    async def advance(self, prompts, version):
+    async def advance(self, prompts, version, only_aborted=False):
         self.calls += 1
+        self.versions.append(version)
         for p in prompts:
             gid = f"g{p.index}"
             self.buffer.append(RolloutGroup(group_id=gid, prompt=p, start_version=version,
@@ -46,6 +49,7 @@ class ScriptedRollout:
         finished, kept = [], []
         for g in self.buffer:
             if not g.finished:
+                self.advanced += 1
                 self.progress[g.group_id] += 1
                 if self.progress[g.group_id] >= self.segments:
                     for s in g.samples:
@@ -55,10 +59,17 @@ class ScriptedRollout:
         return RolloutRound(prompts=list(prompts), groups=finished, metrics={"rollout/num_segments": 1.0,
                                                                              "rollout/buffer_groups": len(kept)})
 
+    def in_flight(self):
+        return sum(1 for g in self.buffer if not g.finished)
+
+    def uniform(self, index):
+        """Whether prompt `index`'s rewards are all equal (scripted)."""
+        return index % self.zero_every == 0
+
     def score(self, groups):
         for g in groups:
             self.scored.append(g.group_id)
-            uniform = g.prompt.index % self.zero_every == 0
+            uniform = self.uniform(g.prompt.index)
             for j, s in enumerate(g.samples):
                 s.reward = 1.0 if uniform else float(j % 2)
         return _Stats(len(groups))
@@ -69,7 +80,8 @@ class ScriptedRollout:
     def sampler(self, mode, prompts_per_step=4, max_refill_rounds=5):
         return DynamicSampler(mode=mode, prompts_per_step=prompts_per_step, max_refill_rounds=max_refill_rounds,
                               draw=self.draw, advance=self.advance, score=self.score, requeue=self.requeue,
-                              sample_metrics=lambda samples: {"rollout/samples_seen": float(len(samples))})
+                              sample_metrics=lambda samples: {"rollout/samples_seen": float(len(samples))},
+                              in_flight=self.in_flight)
 
 
 class _Stats:
@@ -117,23 +129,88 @@ def test_filter_drops_zero_variance_groups():
 
 def test_refill_trains_exactly_prompts_per_step_informative_groups():
     rollout = ScriptedRollout(zero_every=2)  # half the prompts carry no signal
-    rounds = _run(rollout.sampler("refill", prompts_per_step=4), 5)
+    sampler = rollout.sampler("refill", prompts_per_step=4)
+    rounds = _run(sampler, 5)
     drawn, trained, dropped = _accounted(rollout, rounds)
     assert [len(r.groups) for r in rounds] == [4] * 5
     assert all(not zero_variance(g) for r in rounds for g in r.groups)
-    assert all(r.metrics["rollout/refill_rounds"] >= 1 and r.metrics["rollout/refill_cap_hit"] == 0 for r in rounds)
-    # Refill draws only what is missing: nothing is left over in this script (no surplus, nothing buffered).
-    assert not rollout.buffer and len(drawn) == len(trained) + len(dropped)
-    assert rounds[0].metrics["rollout/num_prompts_drawn"] == 8 and rounds[0].metrics["rollout/refill_prompts"] == 4
+    assert all(r.metrics["rollout/refill_cap_hit"] == 0 for r in rounds)
+    # The first step knows no equal-reward share yet (its first draw: 4 x 1.1 headroom = 5 prompts), so
+    # it refills; later draws are oversampled by the observed share and carry the surplus over.
+    assert rounds[0].metrics["rollout/refill_rounds"] >= 1 and rounds[0].metrics["rollout/num_prompts_drawn"] > 5
+    assert sum(r.metrics["rollout/refill_rounds"] for r in rounds[1:]) <= 1
+    assert any(r.metrics["rollout/num_surplus_groups"] for r in rounds)
+    assert len(drawn) <= len(trained) + len(dropped) + len(rollout.buffer)
     # Per-sample metrics (the agent loop's) cover every group the step finished, across its rounds.
-    assert rounds[0].metrics["rollout/samples_seen"] == 8 * G
+    assert rounds[0].metrics["rollout/samples_seen"] == len(rounds[0].prompts) * G
+
+
+def test_refill_at_the_32b_proportions_needs_about_one_round_per_step():
+    """The 32B recipe's proportions: 64 prompts per step, responses of 4 segments (a group finishes 4
+    rounds after its draw), 30% of the groups with equal rewards (seeded, not periodic). After the
+    pipeline fills (4 steps), 20 refill steps average <= 1.3 rollout rounds (at b74de61: 5.0, each
+    refill round drew only the shortfall and the first round's groups were not counted in flight),
+    and a round advances >= 90% as many groups as under `filter`."""
+    import random
+
+    def run(mode):
+        rollout = ScriptedRollout(segments=4)
+        draws = random.Random(7)
+        uniform = {}
+        rollout.uniform = lambda i: uniform.setdefault(i, draws.random() < 0.3)
+        sampler = rollout.sampler(mode, prompts_per_step=64, max_refill_rounds=8)
+        per_step, advanced = [], []
+        for step in range(24):
+            calls, groups = rollout.calls, rollout.advanced
+            done = asyncio.run(sampler.produce(version=step))
+            if step >= 4:
+                per_step.append(rollout.calls - calls)
+                advanced.append((rollout.advanced - groups) / (rollout.calls - calls))
+                if mode == "refill":
+                    assert len(done.groups) == 64 and done.metrics["rollout/refill_cap_hit"] == 0
+        return sum(per_step) / len(per_step), sum(advanced) / len(advanced)
+
+    filter_rounds, filter_advanced = run("filter")
+    refill_rounds, refill_advanced = run("refill")
+    assert filter_rounds == 1.0
+    assert refill_rounds <= 1.3, f"refill took {refill_rounds:.2f} rollout rounds per step"
+    assert refill_advanced >= 0.9 * filter_advanced, (refill_advanced, filter_advanced)
+
+
+def test_refill_rounds_read_the_version_the_servers_serve_now():
+    """A sync can land between two refill rounds of a step: each round reads the served version (its
+    staleness cap, start_version and seeds), not the one the producer read when the step began
+    (b74de61). Driven through the real producer on a client's loop (no request is sent)."""
+    from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
+    from megatron_bapo.rollout.producer import RolloutProducer
+
+    rollout = ScriptedRollout(zero_every=1)  # no signal: the step runs every refill round
+    served = [3]
+    advance = rollout.advance
+
+    async def a_sync_after_each_round(prompts, version, only_aborted=False):
+        done = await advance(prompts, version)
+        served[0] += 1
+        return done
+    rollout.advance = a_sync_after_each_round
+    sampler = rollout.sampler("refill", max_refill_rounds=2)
+    with RolloutClient(RolloutClientConfig(urls=["http://127.0.0.1:9"])) as client:
+        producer = RolloutProducer(client, None, sampler.produce, ahead=0, served_version=lambda: served[0])
+        producer.start()
+        done, _ = producer.next()
+        producer.stop()
+    assert rollout.versions == [3, 4, 5]
+    assert done.metrics["rollout/refill_rounds"] == 2.0
 
 
 def test_refill_stops_at_the_cap_and_says_so():
     rollout = ScriptedRollout(zero_every=1)  # no prompt carries signal
     [done] = _run(rollout.sampler("refill", prompts_per_step=3, max_refill_rounds=2), 1)
     _accounted(rollout, [done])
-    assert done.groups == [] and len(done.dropped) == 9 and rollout.calls == 3
+    assert done.groups == [] and rollout.calls == 3
+    # Every group drawn came back with no signal: each refill round oversampled by at most 10x (the
+    # share is clipped at 0.9), so the step drew 4 (3 x 1.1), then 33 and 33 prompts.
+    assert len(done.dropped) == 70
     assert done.metrics["rollout/refill_cap_hit"] == 1.0 and done.metrics["rollout/refill_rounds"] == 2.0
 
 
@@ -145,10 +222,9 @@ def test_refill_under_partial_rollout_waits_for_its_draws_and_carries_the_surplu
     rounds = _run(sampler, 6)
     drawn, trained, _ = _accounted(rollout, rounds)
     assert [len(r.groups) for r in rounds] == [3] * 6
-    # The first step waits a round for its draws, then refills once more; no round over-draws.
-    first = rounds[0]
-    assert first.metrics["rollout/refill_rounds"] <= 3
-    assert len(drawn) <= len(trained) + 3 * len(rounds)
+    # The first step waits a round for its draws, then refills; later steps draw ahead of their need.
+    assert all(r.metrics["rollout/refill_rounds"] <= 3 for r in rounds)
+    assert len(drawn) <= len(trained) + 3 * len(rounds) + len(rollout.buffer)
     carried = [r.metrics["rollout/num_surplus_groups"] for r in rounds]
     assert any(carried) and sampler.state_dict()["carried"] == carried[-1]
     assert len(trained) == len(set(trained))
@@ -160,12 +236,13 @@ def test_a_failed_round_keeps_its_prompts_for_the_step_that_completes():
     with pytest.raises(RuntimeError, match="every server failed"):
         asyncio.run(sampler.produce(version=0))
     state = sampler.state_dict()
-    assert len(state["step"]["drawn"]) == 6 and len(state["step"]["kept"]) == 2  # 4 + 2 refill; 2 informative
+    # First round: 5 prompts (4 x 1.1), 1 and 3 informative; the refill round drew 6 (share 3/5) and failed.
+    assert len(state["step"]["drawn"]) == 11 and len(state["step"]["kept"]) == 2
     again = rollout.sampler("refill", prompts_per_step=4)
     again.load_state_dict(state)  # a restarted producer (or a resumed run) continues the same step
     done = asyncio.run(again.produce(version=0))
     _accounted(rollout, [done])
-    assert len(done.groups) == 4 and [p.index for p in done.prompts][:6] == list(range(6))
+    assert len(done.groups) == 4 and [p.index for p in done.prompts][:11] == list(range(11))
 
 
 def test_an_interrupted_step_stops_between_rounds_and_resumes_without_drawing_again():
@@ -177,7 +254,7 @@ def test_an_interrupted_step_stops_between_rounds_and_resumes_without_drawing_ag
     sampler = rollout.sampler("refill", prompts_per_step=4)
     advance = rollout.advance
 
-    async def interrupted_after_first_round(prompts, version):
+    async def interrupted_after_first_round(prompts, version, only_aborted=False):
         done = await advance(prompts, version)
         sampler.interrupt(True)  # what the producer does when a checkpoint pauses mid-round
         return done
@@ -185,10 +262,11 @@ def test_an_interrupted_step_stops_between_rounds_and_resumes_without_drawing_ag
     with pytest.raises(RoundInterrupted):
         asyncio.run(sampler.produce(version=0))
     state = sampler.state_dict()
-    assert state["step"]["first_round_done"] and len(state["step"]["drawn"]) == 4 and rollout.calls == 1
+    assert state["step"]["first_round_done"] and len(state["step"]["drawn"]) == 5 and rollout.calls == 1
     again = rollout.sampler("refill", prompts_per_step=4)  # resumed from the checkpoint
     again.load_state_dict(state)
     done = asyncio.run(again.produce(version=0))
     _accounted(rollout, [done])
-    assert len(done.groups) == 4 and [p.index for p in done.prompts] == list(range(8))
-    assert done.metrics["rollout/refill_rounds"] == 3.0  # 2 of 4 kept, then 4 5 | 6 | 7 (even prompts: no signal)
+    # 1 and 3 kept by the first round; one refill round of 6 prompts (5..10) keeps 5, 7 and 9.
+    assert len(done.groups) == 4 and [p.index for p in done.prompts] == list(range(11))
+    assert done.metrics["rollout/refill_rounds"] == 1.0 and rollout.calls == 2

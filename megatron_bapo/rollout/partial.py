@@ -84,17 +84,19 @@ class PartialRolloutManager:
         self._warned_version = False
 
     # ------------------------------------------------------------------ stepping
-    def step(self, prompts: Sequence[Prompt], version: int) -> RolloutRound:
+    def step(self, prompts: Sequence[Prompt], version: int, *, only_aborted: bool = False) -> RolloutRound:
         """Sync `astep` on the client's background loop."""
-        return self.client.run(self.astep(prompts, version))
+        return self.client.run(self.astep(prompts, version, only_aborted=only_aborted))
 
-    async def astep(self, prompts: Sequence[Prompt], version: int) -> RolloutRound:
+    async def astep(self, prompts: Sequence[Prompt], version: int, *, only_aborted: bool = False) -> RolloutRound:
         """Start groups for `prompts`, advance every buffered sample by one segment, return the round:
         the groups that are now complete (all G samples completed or truncated), oldest first, its
         metrics and the servers' rejections.
 
         `version` is the policy version the servers are serving now (int); it is used for the
-        staleness cap and for tokens whose reply carried no integer weight_version.
+        staleness cap and for tokens whose reply carried no integer weight_version. `only_aborted`:
+        advance only the samples an abort cut (state ABORTED): the rest of a round a checkpoint's
+        abort ended (`DynamicSampler`), so that round hands over what it would have without the cut.
         """
         started = time.monotonic()
         step = {k: 0 for k in self.counters}
@@ -112,7 +114,7 @@ class PartialRolloutManager:
         rejections: list[str] = []
         for _ in range(self.config.num_segments + 1):  # a group needs at most num_segments segments
             cuts = self.client.stats.get("num_abort_pauses", 0)
-            await self._advance_buffer(version, step, errors, rejections)
+            await self._advance_buffer(version, step, errors, rejections, only_aborted)
             # A sync's "abort" pause ends the round at once when it has a group to train; when it
             # cut the round before any group finished, the round goes on (its samples continue on the
             # new weights after continue, the segments the pause kept them from sent now) until one
@@ -147,7 +149,7 @@ class PartialRolloutManager:
         return RolloutRound(prompts=list(prompts), groups=finished, metrics=metrics, rejections=rejections)
 
     async def _advance_buffer(self, version: int, step: dict[str, int], errors: list[BaseException],
-                              rejections: list[str]) -> None:
+                              rejections: list[str], only_aborted: bool = False) -> None:
         """One segment (or agent round) for every unfinished sample of the buffer (groups past the
         hard cap reset first)."""
         jobs: list[tuple[RolloutGroup, int, Sample]] = []
@@ -162,7 +164,7 @@ class PartialRolloutManager:
                         s.num_regenerations += 1
                         step["num_regenerated"] += 1
             for j, s in enumerate(group.samples):
-                if not s.state.resumable:
+                if not s.state.resumable or (only_aborted and s.state is not SampleState.ABORTED):
                     continue
                 if self._budget(s) <= 0:
                     s.state = SampleState.TRUNCATED

@@ -13,17 +13,19 @@ order (`next`):
 - pacing: round r may start once the trainer has asked for round r - `ahead`. With `ahead` = 0 a
   round starts only when the trainer asks for it (the synchronous loop: generate, then train); with
   `ahead` = k the rounds of steps n+1..n+k run while the actor trains step n.
-- versions: a round passes the version the servers serve (`served_version()`, the server pool's) to
-  the manager, which labels tokens with the servers' reported versions. Staleness is judged per
+- versions: `produce` gets `served_version` (the server pool's) and reads it before each of the
+  step's rounds (a refilling step runs several; a sync can land between them), and passes the version
+  the servers serve to the manager, which labels tokens with the servers' reported versions. Staleness is judged per
   token when the round is trained (the driver masks tokens older than `rollout.max_staleness`), so
   a finished group is always handed over as it is.
 - results: every round's groups, metrics and rejections are `produce`'s return value; the producer
   never reads or writes the manager's state.
 - checkpoints: `pause()` lets the running round finish and starts no new one; then `state_dict()`
   holds the finished rounds not yet handed over (prompts, tokens, log-probs, versions) next to the
-  manager's buffer, and nothing is in flight. With `pause(abort=True)` a step that needs more
-  rollout rounds (refill) is interrupted (`RoundInterrupted`) instead of finished: it is not handed
-  over, the sampler keeps it (and checkpoints it), and `resume()` completes it. `resume()` goes on. A restored producer hands the
+  manager's buffer, and nothing is in flight. With `pause(abort=True)` the round in flight is cut
+  and the step is interrupted (`RoundInterrupted`) instead of handed over short: the sampler keeps
+  it (and checkpoints it), and after `resume()` it first sends the segments the abort cut, then
+  completes the step (a refilling step its further rounds), so a checkpoint never shortens a round. `resume()` goes on. A restored producer hands the
   saved rounds over first, so no prompt is lost or drawn twice across a kill and resume.
 - errors: a round that fails (RolloutError: every server failed; its groups stay buffered) stops
   the producer and the trainer's next `next()` raises it, as the synchronous loop would; the prompts
@@ -77,9 +79,8 @@ class RolloutProducer:
             async with cond:
                 await cond.wait_for(lambda: not self._paused and self.produced < self.requested + self.ahead)
                 self._busy = True
-                version = self.served_version()
             try:
-                done = await self.produce(version)
+                done = await self.produce(self.served_version)  # read before each of the step's rounds
             except RoundInterrupted:  # paused with abort mid-step: the sampler keeps the step, resume completes it
                 async with cond:
                     self._busy = False
