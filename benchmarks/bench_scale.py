@@ -5,8 +5,9 @@ responses in 16k segments (a response takes 4 rounds), rollout one step ahead, a
 +1) after every step, `rollout.max_staleness` 4. The workload here has those proportions: the real
 `RolloutClient`, `PartialRolloutManager`, `DynamicSampler` and `RolloutProducer` drive real built-in
 servers over loopback; a segment is 4 tokens (`ignore_eos`: every response is 4 segments long) and
-its time is modelled by the servers' `--decode-delay-ms` (per generation step, so a round costs about
-as long as its longest segment, as at 64k); the trainer's step is modelled as `--train-s` of
+its time is modelled by the servers' `--decode-delay-ms` (1 s per generation step: a round lasts
+about 4 s however many requests it holds, as a 64k round lasts as long as its longest 16k segment);
+the trainer's step is modelled as `--train-s` (4 s, one round: the recipe sizes the actor so) of
 waiting (the actor is not run: its time does not depend on the rollout mode). 30% of the groups
 have equal rewards (seeded per prompt, as the recipe's data might give), the rest reward half of
 their samples.
@@ -22,7 +23,7 @@ the driver process's pipe and on disk by `benchmarks/bench_rollout_state.py` (ru
 docs/cluster.md): the recipe's buffer does not fit these CPUs' memory as Python objects, so its
 numbers are extrapolated from measured per-value costs there.
 
-    python benchmarks/bench_scale.py [--steps 16] [--warmup 4] [--decode-delay-ms 20] [--train-s 4]
+    python benchmarks/bench_scale.py [--steps 16] [--warmup 4] [--decode-delay-ms 1000] [--train-s 4]
 """
 
 from __future__ import annotations
@@ -123,11 +124,13 @@ def main() -> None:
     p.add_argument("--headroom", type=float, default=0.1, help="rollout.refill_headroom")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--decode-delay-ms", type=float, default=20.0)
+    p.add_argument("--decode-delay-ms", type=float, default=1000.0,
+                   help="the servers' time per decode step: 4 steps make a round last ~4 s, the stand-in for "
+                        "one 16k-token segment (minutes at 32B), whatever the number of requests")
     p.add_argument("--train-s", type=float, default=4.0,
-                   help="the actor's step, modelled (about one round of the filter workload on 2 cores)")
+                   help="the actor's step, modelled as one round's time (the recipe's balance)")
     p.add_argument("--servers", type=int, default=2)
-    p.add_argument("--concurrency", type=int, default=2048)
+    p.add_argument("--concurrency", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", nargs="+", default=["off", "filter", "refill"])
     p.add_argument("--verbose", action="store_true")
