@@ -108,8 +108,9 @@ def search_clip_bounds(
         config: search space, contribution definition, weights, metric, order.
         rollout_logprobs: behavior log-probs, required when `config.weight == "rollout_prob"`.
         token_weights: per-token weights >= 0 that multiply each token's contribution, same shape:
-            the importance corrections the loss applies (`algorithms.importance`), so the search
-            sums exactly the gradient mass the loss applies. None: 1 for every token.
+            the weights the loss applies (`loss_token_weights`: aggregation weight x importance
+            correction), so the search sums exactly the gradient mass the loss applies under any
+            `loss_agg`. None: 1 for every token (token-mean without a correction).
         group: process group holding the rest of the mini-batch (data-parallel x context-parallel);
             None means this process holds all of it. Exactly one all-reduce is issued over it, on
             the device its backend carries (`reduction_device`): the sums cost nothing to move

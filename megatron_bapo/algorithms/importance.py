@@ -27,9 +27,10 @@ a finite weight (truncated by `tis`, masked by `mis`); a non-finite `log w` (NaN
 on either side) gets weight 0, and under `seq_mis` masks its whole sequence. Weights are 0 off the
 loss mask. Nothing non-finite is ever returned.
 
-Pure torch, no Megatron: the actor computes the weights once per step from its recompute pass and
-passes them to `policy_loss` (`token_weights`) and to `search_clip_bounds` (`token_weights`), so the
-bound search sums exactly the gradient mass the loss applies.
+Pure torch, no Megatron: the actor computes the weights once per step from its recompute pass,
+multiplies them into each token's aggregation weight (`policy_loss.loss_token_weights`) and passes
+that one tensor to the loss and to the bound search (`token_weights` of both), so the search sums
+exactly the gradient mass the loss applies.
 """
 
 from __future__ import annotations

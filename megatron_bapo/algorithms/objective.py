@@ -12,7 +12,8 @@
 | `sapo` | `sapo` | none: its positive share is measured (`balance.measure_sapo`) |
 
 Every loss takes the same inputs (log-probs, the ratio's reference, advantages, the loss mask, the
-importance corrections as `token_weights`, the global aggregation) and returns the same statistics,
+global aggregation: `token_weights` = aggregation weight x importance correction, `denominator`) and
+`search` counts each token's contribution with the same `token_weights`; every loss returns the same statistics,
 so the actor does not know which one runs. `check` refuses the combinations that mean nothing.
 """
 
@@ -72,7 +73,8 @@ class Objective:
         """The step's parameters `(result.c_low, result.c_high)` and balance, identical on every rank of
         `group` (one all-reduce). Shapes: any, all equal; `ref_logprobs` is the ratio's reference,
         `rollout_logprobs` the behavior log-probs (for `weight: rollout_prob`), `token_weights` the
-        importance corrections the loss applies. `raise_nonfinite=False`: NaN/inf loss tokens give
+        weights `loss` applies (`loss_token_weights`: aggregation weight x importance correction; the
+        same tensor), so the balance is the applied gradient's. `raise_nonfinite=False`: NaN/inf loss tokens give
         the start parameters with `num_nonfinite` set (as `search_clip_bounds` does), for a caller
         that agrees on skipping with the other pipeline stages."""
         kw = dict(rollout_logprobs=rollout_logprobs, token_weights=token_weights, group=group)
