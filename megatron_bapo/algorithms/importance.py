@@ -63,8 +63,9 @@ class CorrectionConfig:
         if self.mode not in CORRECTIONS:
             raise ValueError(f"CorrectionConfig.mode must be one of {CORRECTIONS}, got {self.mode!r}")
         if isinstance(self.tis_cap, bool) or not isinstance(self.tis_cap, (int, float)) or not (
-                math.isfinite(self.tis_cap) and self.tis_cap > 0):
-            raise ValueError(f"CorrectionConfig.tis_cap must be a finite number > 0 (e.g. 2.0), got {self.tis_cap!r}")
+                math.isfinite(self.tis_cap) and self.tis_cap >= 1):
+            raise ValueError(f"CorrectionConfig.tis_cap must be a finite number >= 1 (e.g. 2.0): a cap below 1 would "
+                             f"also shrink tokens the engines agree on (w = 1); got {self.tis_cap!r}")
         check_band(self.band, "CorrectionConfig.band")
 
 
