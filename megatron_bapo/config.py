@@ -20,6 +20,7 @@ from typing import Any, Optional
 import yaml
 
 from megatron_bapo.actor.config import ActorConfig
+from megatron_bapo.algorithms.checks import check_advantages
 from megatron_bapo.algorithms.config import BapoConfig
 from megatron_bapo.config_io import ConfigError, apply_overrides, from_dict, to_dict
 from megatron_bapo.data.config import DatasetConfig
@@ -317,6 +318,10 @@ class RunConfig:
         if self.actor.routing_replay and not ro.return_routed_experts:
             raise ConfigError("actor.routing_replay=true replays the experts the rollout servers chose, which they "
                               "return only when asked: set rollout.return_routed_experts=true")
+        try:  # the advantage settings against the groups they are computed on (algorithms.checks)
+            check_advantages(self.advantage.estimator, self.advantage.eps, ro.group_size, ro.dynamic_sampling)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         batch = ro.prompts_per_step * ro.group_size
         if batch % self.actor.n_minibatches:
             raise ConfigError(

@@ -63,7 +63,7 @@ def _step(rank, world_size, hf_dir, layout):
 def _assert_same(ref, got):
     torch.testing.assert_close(got["lp"], ref["lp"], atol=2e-6, rtol=0)
     for k in ("actor/loss", "actor/grad_norm", "actor/entropy", "actor/kl_k1", "bapo/c_high", "bapo/c_low",
-              "actor/clipfrac", "actor/num_loss_tokens"):
+              "bapo/rho_before", "bapo/rho_after", "bapo/search_steps", "actor/clipfrac", "actor/num_loss_tokens"):
         assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-6), k
     torch.testing.assert_close(got["lp_after"], ref["lp_after"], atol=1e-5, rtol=0)
 

@@ -30,7 +30,9 @@ tokens together). megatron (`calculate_per_token_loss`) sums the micro-batch los
 returned token counts over micro-batches and DP x CP ranks and divides the gradient once by the
 total count S (`finalize_model_grads`); so each micro-batch returns `(S / D) * sum(w_t loss_t)`,
 and the gradient is that of `sum(w_t loss_t) / D` over the mini-batch, exactly the single-process
-loss for any DP / CP / micro-batch / packing split.
+loss for any DP / CP / micro-batch / packing split. `w_t` (aggregation weight x importance
+correction, `_token_weights`) also weights each token's contribution in the bound search, so the
+balance it steers is the applied gradient's under every `loss_agg`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from megatron_bapo.actor.old_policy import recomputed_entries
 from megatron_bapo.actor.optimizer_step import grad_norm_or_skip, step_with_norm
 from megatron_bapo.actor.passes import ModelPasses
 from megatron_bapo.actor.scatter import BatchSpec, MiniBatchWork, PreparedBatch, RankBatch, RankCoords
+from megatron_bapo.algorithms import loss_token_weights
 from megatron_bapo.models.parallel import ParallelGroups, initialize_model_parallel
 
 logger = logging.getLogger(__name__)
@@ -199,10 +202,18 @@ class Actor(ModelPasses):
         g = self.parallel.dp_cp_group
         return g if dist.get_world_size(g) > 1 else None
 
+    def _token_weights(self, mb: dict) -> torch.Tensor:
+        """The loss's weight of every token of micro-batch `mb` (last stage), on the device: aggregation
+        weight x importance correction (`loss_token_weights`). The one source of both the loss's
+        `token_weights` and the bound search's, so the searched balance is the applied gradient's."""
+        dev = self.device
+        correction = mb.get("is_weights")
+        return loss_token_weights(mb["weights"].to(dev), None if correction is None else correction.to(dev))
+
     def _search(self, lp, ref, beh, adv, mask, weights, acc: MetricSums):
         """The step's trust-region parameters of `actor.policy_loss` (BAPO's bounds for ppo_clip) for the
         ratio exp(lp - ref) (ref: behavior or recomputed old log-probs), each token's contribution
-        weighted by its importance correction as in the loss."""
+        weighted by `weights`, the loss's own (`_token_weights`)."""
         # Not raised here: only this (last) stage knows; `_minibatch_step` agrees with the other stages.
         res = self.config.objective.search(lp.detach().float(), ref, adv, mask, rollout_logprobs=beh,
                                            token_weights=weights, group=self._search_group(), raise_nonfinite=False)
@@ -222,19 +233,18 @@ class Actor(ModelPasses):
                     logits: torch.Tensor):
         lp, ent = self._logprobs(mb, logits, step.temperature)
         dev = lp.device
-        mask, beh, adv, weights = (mb[k].to(dev) for k in ("loss_mask", "behavior_logprobs", "advantages", "weights"))
+        mask, beh, adv = (mb[k].to(dev) for k in ("loss_mask", "behavior_logprobs", "advantages"))
         ref = mb["old_logprobs"] if "old_logprobs" in mb else beh  # the ratio's reference (old_logprobs)
         is_weights = mb.get("is_weights")
+        weights = self._token_weights(mb)  # the search's (microbatch scope) and the loss's: one tensor
         if measure is not None:  # rollout: before the first update, the trainer's log-probs vs the rollout's
             measure.add(lp, beh, mask, mb["lag"], mb["row"])
         bounds = step.bounds
         if bounds is None:  # search_scope "microbatch": one collective per micro-batch, same count on all ranks
-            res = self._search(lp, ref, beh, adv, mask, is_weights, acc)
+            res = self._search(lp, ref, beh, adv, mask, weights, acc)
             bounds = (res.c_low, res.c_high)
-        loss, stats = self.config.objective.loss(
-            lp, ref, adv, mask, bounds, token_weights=weights if is_weights is None else weights * is_weights,
-            denominator=step.denominator,
-        )
+        loss, stats = self.config.objective.loss(lp, ref, adv, mask, bounds, token_weights=weights,
+                                                 denominator=step.denominator)
         maskd = mask.double()
         stats["sum_entropy"] = (ent.detach().double() * maskd).sum()
         stats["sum_is_weight"] = maskd.sum() if is_weights is None else (is_weights.double() * maskd).sum()
@@ -293,7 +303,7 @@ class Actor(ModelPasses):
                 lp = torch.cat([r["lp"].float()[k] for r, k in zip(stored, masks)])
                 beh = cat("behavior_logprobs")
                 ref = cat("old_logprobs") if old else beh
-                weights = cat("is_weights") if old else None
+                weights = torch.cat([self._token_weights(mb)[k] for mb, k in zip(mbs, masks)])
                 res = self._search(lp, ref, beh, cat("advantages"), torch.ones_like(lp), weights, acc)
                 bounds, nonfinite = (res.c_low, res.c_high), res.num_nonfinite
             # Non-finite current log-probs (the model's forward, not the batch: that was checked where

@@ -8,12 +8,13 @@ from typing import Optional
 from megatron_bapo.actor.mismatch import MismatchConfig
 from megatron_bapo.algorithms import BapoConfig, CispoConfig, DppoConfig, Objective, SapoConfig
 from megatron_bapo.algorithms.importance import CorrectionConfig
-from megatron_bapo.algorithms.objective import check_policy_loss
+from megatron_bapo.algorithms.checks import check_objective
+from megatron_bapo.algorithms.policy_loss import AGG_MODES
 from megatron_bapo.models.layer_spec import LAYER_SPECS
 from megatron_bapo.models.parallel import ParallelConfig
 
 SEARCH_SCOPES = ("minibatch", "microbatch")
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_AGGS = AGG_MODES
 RECOMPUTE_MODES = ("none", "selective", "full")
 OLD_LOGPROBS = ("rollout", "recompute")
 
@@ -170,7 +171,7 @@ class ActorConfig:
         for name, cls in (("dppo", DppoConfig), ("cispo", CispoConfig), ("sapo", SapoConfig)):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, cls(**getattr(self, name)))
-        check_policy_loss(self.policy_loss, self.bapo, prefix="ActorConfig.")
+        check_objective(self.policy_loss, self.bapo, self.dppo, self.cispo, prefix="actor.")
         if self.max_tokens_per_microbatch < 1:
             raise ValueError(f"ActorConfig.max_tokens_per_microbatch must be >= 1, got {self.max_tokens_per_microbatch}")
         if self.n_minibatches < 1:

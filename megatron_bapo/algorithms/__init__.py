@@ -21,6 +21,7 @@ from megatron_bapo.algorithms.policy_loss import (
     aggregation_weights,
     clamped_log_ratio,
     finalize_loss_metrics,
+    loss_token_weights,
     policy_loss,
 )
 from megatron_bapo.algorithms.sapo import SapoConfig, sapo_loss
@@ -47,6 +48,7 @@ __all__ = [
     "finalize_loss_metrics",
     "grpo_advantages",
     "importance_weights",
+    "loss_token_weights",
     "policy_loss",
     "sapo_loss",
     "search_clip_bounds",

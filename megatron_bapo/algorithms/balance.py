@@ -4,7 +4,9 @@ BAPO (design section 4) moves PPO's clip bounds until the positive tokens carry 
 the gradient. The same idea applies to any loss whose trust region has a side for positive and a
 side for negative advantages. "Contribution" is, per loss, the gradient mass of a token: the size
 of `d term_t / d logp_t` with the step's parameters, times `w_t` (1, or the rollout probability
-with `actor.bapo.weight: rollout_prob`) and the token's importance correction `c_t`:
+with `actor.bapo.weight: rollout_prob`) and the token's loss weight `a_t c_t` (`token_weights`:
+its aggregation weight under `actor.loss_agg` times its importance correction, `loss_token_weights`),
+so P and N are the positive and negative mass of the applied gradient (times its denominator D):
 
     DPPO:  |A| * min(r, ratio_cap)        if the token passes the trust region, else 0
            P(dh) = sum_{A>0, d <= dh} ...,  N(dl) = sum_{A<0, d >= -dl} ...
@@ -113,7 +115,7 @@ def search_dppo(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, advantages: 
 
     Shapes: any, all equal (`logprobs` current, `ref_logprobs` the trust region's reference,
     `rollout_logprobs` the behavior log-probs for `weight: rollout_prob`, `token_weights` the
-    importance corrections). Masked tokens are ignored. One pass, one all-reduce over `group`
+    loss's own weights, `loss_token_weights`). Masked tokens are ignored. One pass, one all-reduce over `group`
     (None: this process holds the whole mini-batch); the result is identical on every rank.
     """
     high, low = dppo_grids(dppo, bapo)

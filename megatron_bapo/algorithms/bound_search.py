@@ -55,17 +55,20 @@ class BoundSearchResult:
     and then the bounds are the search's start, not a decision."""
 
 
-def bound_grid(start: float, stop: float, step: float, *, clamp_to_stop: bool) -> torch.Tensor:
-    """Grid `start + i * step` for i = 0..floor((stop - start) / step + 1e-9), float64.
-
-    With `clamp_to_stop` (the official recipe's `min(c + step, max)`), `stop` is appended when the
-    last on-grid value falls short of it.
-    """
+def grid_values(start: float, stop: float, step: float, *, clamp_to_stop: bool) -> list[float]:
+    """`start + i * step` for i = 0..floor((stop - start) / step + 1e-9) (integer steps, never an
+    accumulated float). With `clamp_to_stop` (the official recipe's `min(c + step, max)`), `stop`
+    is appended when the last on-grid value falls short of it."""
     num = int(math.floor((stop - start) / step + 1e-9))
     values = [start + i * step for i in range(num + 1)]
     if clamp_to_stop and stop - values[-1] > 1e-9 * max(1.0, abs(stop)):
         values.append(stop)
-    return torch.tensor(values, dtype=torch.float64)
+    return values
+
+
+def bound_grid(start: float, stop: float, step: float, *, clamp_to_stop: bool) -> torch.Tensor:
+    """`grid_values` as a float64 tensor: the grid a search walks."""
+    return torch.tensor(grid_values(start, stop, step, clamp_to_stop=clamp_to_stop), dtype=torch.float64)
 
 
 def balance_metric(pos: float, neg: float, metric: str) -> float:
@@ -108,8 +111,9 @@ def search_clip_bounds(
         config: search space, contribution definition, weights, metric, order.
         rollout_logprobs: behavior log-probs, required when `config.weight == "rollout_prob"`.
         token_weights: per-token weights >= 0 that multiply each token's contribution, same shape:
-            the importance corrections the loss applies (`algorithms.importance`), so the search
-            sums exactly the gradient mass the loss applies. None: 1 for every token.
+            the weights the loss applies (`loss_token_weights`: aggregation weight x importance
+            correction), so the search sums exactly the gradient mass the loss applies under any
+            `loss_agg`. None: 1 for every token (token-mean without a correction).
         group: process group holding the rest of the mini-batch (data-parallel x context-parallel);
             None means this process holds all of it. Exactly one all-reduce is issued over it, on
             the device its backend carries (`reduction_device`): the sums cost nothing to move

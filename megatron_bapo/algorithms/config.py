@@ -72,6 +72,14 @@ class BapoConfig:
             raise ValueError(
                 f"BapoConfig.low_max ({self.low_max}) must be < high_start ({self.high_start}) so that c_low < c_high"
             )
+        # Bounds are ratios: a token the policy has not moved (r = 1) passes on both sides.
+        if self.low_max > 1.0:
+            raise ValueError(f"BapoConfig.low_max={self.low_max} must be <= 1: a lower ratio bound above 1 clips "
+                             f"negative tokens the policy has not moved (r = 1); bounds are ratios such as 0.6 -> 0.9")
+        if self.high_start < 1.0:
+            raise ValueError(f"BapoConfig.high_start={self.high_start} must be >= 1: an upper ratio bound below 1 "
+                             f"clips positive tokens the policy has not moved (r = 1); bounds are ratios such as 1.2, "
+                             f"not epsilons such as 0.2")
         if self.high_step <= 0:
             raise ValueError(f"BapoConfig.high_step must be > 0, got {self.high_step}")
         if self.low_step <= 0:

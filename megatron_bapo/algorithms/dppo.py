@@ -96,9 +96,17 @@ class DppoConfig:
         if self.low_min is not None and self.low_min > self.lower:
             raise ValueError(f"DppoConfig.low_min ({self.low_min}) must be <= delta_low ({self.lower}): the "
                              f"balance only lowers delta_low")
-        if self.divergence == "tv" and self.upper > 1.0:
-            raise ValueError(f"DppoConfig.delta_high={self.upper}: a TV divergence is at most 1, so it would mask "
-                             f"nothing; use a threshold in (0, 1]")
+        if self.divergence == "tv":  # d = pi - mu lies in [-1, 1]: a threshold past 1 masks nothing
+            for name, value in (("delta_low", self.lower), ("delta_high", self.upper), ("high_max", self.high_max)):
+                if value is not None and value > 1.0:
+                    raise ValueError(f"DppoConfig.{name}={value}: a TV divergence lies in [-1, 1], so a threshold "
+                                     f"above 1 masks nothing; use a value in (0, 1]")
+        high_max, high_step, low_min, low_step = self.search_grid()
+        num_high, num_low = (high_max - self.upper) / high_step, (self.lower - low_min) / low_step
+        if num_high > 10_000 or num_low > 10_000:
+            raise ValueError(f"DppoConfig's balance grid is too fine: (high_max - delta_high) / high_step = {num_high:.0f} "
+                             f"and (delta_low - low_min) / low_step = {num_low:.0f} must each be <= 10000; raise "
+                             f"high_step / low_step")
 
     @property
     def lower(self) -> float:

@@ -27,9 +27,10 @@ a finite weight (truncated by `tis`, masked by `mis`); a non-finite `log w` (NaN
 on either side) gets weight 0, and under `seq_mis` masks its whole sequence. Weights are 0 off the
 loss mask. Nothing non-finite is ever returned.
 
-Pure torch, no Megatron: the actor computes the weights once per step from its recompute pass and
-passes them to `policy_loss` (`token_weights`) and to `search_clip_bounds` (`token_weights`), so the
-bound search sums exactly the gradient mass the loss applies.
+Pure torch, no Megatron: the actor computes the weights once per step from its recompute pass,
+multiplies them into each token's aggregation weight (`policy_loss.loss_token_weights`) and passes
+that one tensor to the loss and to the bound search (`token_weights` of both), so the search sums
+exactly the gradient mass the loss applies.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class CorrectionConfig:
         if self.mode not in CORRECTIONS:
             raise ValueError(f"CorrectionConfig.mode must be one of {CORRECTIONS}, got {self.mode!r}")
         if isinstance(self.tis_cap, bool) or not isinstance(self.tis_cap, (int, float)) or not (
-                math.isfinite(self.tis_cap) and self.tis_cap > 0):
-            raise ValueError(f"CorrectionConfig.tis_cap must be a finite number > 0 (e.g. 2.0), got {self.tis_cap!r}")
+                math.isfinite(self.tis_cap) and self.tis_cap >= 1):
+            raise ValueError(f"CorrectionConfig.tis_cap must be a finite number >= 1 (e.g. 2.0): a cap below 1 would "
+                             f"also shrink tokens the engines agree on (w = 1); got {self.tis_cap!r}")
         check_band(self.band, "CorrectionConfig.band")
 
 

@@ -12,8 +12,10 @@
 | `sapo` | `sapo` | none: its positive share is measured (`balance.measure_sapo`) |
 
 Every loss takes the same inputs (log-probs, the ratio's reference, advantages, the loss mask, the
-importance corrections as `token_weights`, the global aggregation) and returns the same statistics,
-so the actor does not know which one runs. `check` refuses the combinations that mean nothing.
+global aggregation: `token_weights` = aggregation weight x importance correction, `denominator`) and
+returns the same statistics, so the actor does not know which one runs; `search` counts each token's
+contribution with the same `token_weights`. `checks.check_objective` refuses the combinations that
+cannot run (at config load).
 """
 
 from __future__ import annotations
@@ -25,32 +27,12 @@ import torch
 
 from megatron_bapo.algorithms.balance import NonfiniteTokens, measure_sapo, search_cispo, search_dppo
 from megatron_bapo.algorithms.bound_search import BoundSearchResult, search_clip_bounds
+from megatron_bapo.algorithms.checks import POLICY_LOSSES, check_objective
 from megatron_bapo.algorithms.cispo import CispoConfig, cispo_loss
 from megatron_bapo.algorithms.config import BapoConfig
 from megatron_bapo.algorithms.dppo import DppoConfig, dppo_loss
 from megatron_bapo.algorithms.policy_loss import clamped_log_ratio, policy_loss
 from megatron_bapo.algorithms.sapo import SapoConfig, sapo_loss
-
-POLICY_LOSSES = ("ppo_clip", "dppo", "cispo", "sapo")
-
-
-def check_policy_loss(name: str, bapo: BapoConfig, prefix: str = "actor.") -> None:
-    """Raise ValueError (naming the fields) for a loss the balance cannot be applied to as configured."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"{prefix}policy_loss must be one of {POLICY_LOSSES}, got {name!r}")
-    if name == "ppo_clip" or not bapo.is_adaptive:
-        return
-    if name == "sapo":
-        raise ValueError(
-            f"{prefix}policy_loss=sapo has no bounds for BAPO's adaptive search ({prefix}bapo moves c_low "
-            f"{bapo.low_start}->{bapo.low_max}, c_high {bapo.high_start}->{bapo.high_max}): its gates are soft. Use a "
-            f"fixed preset (bapo_preset: grpo; the positive share is still logged) or policy_loss dppo / cispo")
-    if bapo.contribution != "gradient":
-        raise ValueError(
-            f"{prefix}policy_loss={name} with {prefix}bapo.contribution={bapo.contribution!r}: the surrogate sums are "
-            f"PPO's clipped values; {name}'s balance counts gradient mass. Set {prefix}bapo.contribution: gradient "
-            f"(bapo_preset: bapo)")
-
 
 @dataclass(frozen=True)
 class Objective:
@@ -63,7 +45,7 @@ class Objective:
     sapo: SapoConfig = field(default_factory=SapoConfig)
 
     def __post_init__(self) -> None:
-        check_policy_loss(self.name, self.bapo)
+        check_objective(self.name, self.bapo, self.dppo, self.cispo)
 
     def search(self, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, advantages: torch.Tensor,
                mask: torch.Tensor, *, rollout_logprobs: Optional[torch.Tensor] = None,
@@ -72,7 +54,8 @@ class Objective:
         """The step's parameters `(result.c_low, result.c_high)` and balance, identical on every rank of
         `group` (one all-reduce). Shapes: any, all equal; `ref_logprobs` is the ratio's reference,
         `rollout_logprobs` the behavior log-probs (for `weight: rollout_prob`), `token_weights` the
-        importance corrections the loss applies. `raise_nonfinite=False`: NaN/inf loss tokens give
+        weights `loss` applies (`loss_token_weights`: aggregation weight x importance correction; the
+        same tensor), so the balance is the applied gradient's. `raise_nonfinite=False`: NaN/inf loss tokens give
         the start parameters with `num_nonfinite` set (as `search_clip_bounds` does), for a caller
         that agrees on skipping with the other pipeline stages."""
         kw = dict(rollout_logprobs=rollout_logprobs, token_weights=token_weights, group=group)

@@ -66,6 +66,19 @@ def aggregation_weights(mask: torch.Tensor, agg: str) -> tuple[torch.Tensor, flo
     return m, num_seqs
 
 
+def loss_token_weights(aggregation: torch.Tensor, correction: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Each token's weight `a_t c_t` in the applied loss `sum(a_t c_t loss_t) / D`: its aggregation
+    weight (`aggregation_weights` over the whole mini-batch, any shape) times its importance correction
+    (`algorithms.importance`, same shape; None: 1), in the aggregation weights' dtype.
+
+    The one definition of the weights the loss applies (`token_weights` of every loss) and the
+    balance counts (`token_weights` of `search_clip_bounds` / `Objective.search`): the gradient of
+    token t is `a_t c_t d term_t / d logp_t / D`, so with these weights the searched positive share
+    is the applied gradient's under every `loss_agg` (a sequence mean gives each sequence's tokens
+    `1 / its length`, which a search counting tokens alone would ignore)."""
+    return aggregation if correction is None else aggregation * correction.to(aggregation.dtype)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     behavior_logprobs: torch.Tensor,
