@@ -15,7 +15,6 @@ import json
 import multiprocessing
 import os
 import socket
-import time
 from pathlib import Path
 
 import pytest
