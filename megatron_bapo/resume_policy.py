@@ -110,6 +110,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "rollout.agent.tool_timeout_s": (APPLIED, _LIVE),
     "rollout.agent.num_tool_workers": (APPLIED, "the tool workers are started with it"),
     "rollout.agent.max_result_chars": (APPLIED, "results of calls run after the resume are cut at it"),
+    "rollout.agent.allow_unisolated_python": (APPLIED, "the tool workers are started with it"),
     **{f"rollout.agent.format.{name}": (REFUSED, "buffered multi-turn samples were written in the old call and result "
                                                  "syntax: their next turns would mix two formats in one sample")
        for name in ("parser", "call_start", "call_end", "stop_at_call_end", "response_prefix", "response_template",

@@ -19,12 +19,25 @@ A lock whose holder is gone is taken over with one log line:
   /proc differs from the recorded one: the pid was reused);
 - another host: liveness cannot be checked from here, so the holder refreshes the file's mtime
   every `HEARTBEAT_S` seconds and a lock not refreshed for `STALE_AFTER_S` is stale (a node that
-  crashed). A stale lock is renamed aside before the new one is linked, so two starters taking
-  over at once still end with one holder.
+  crashed).
+
+Taking over is where several starters race (a stale lock, then a double `sbatch`): removing the
+stale file and linking a new one lets a slow starter remove the lock a fast one has just taken.
+So a stale lock is never removed. Its successor is claimed instead: `run.lock.next-<digest>`, named
+after the stale file's content (sha1), created by the same exclusive `link`, so exactly one starter
+claims each stale lock. The claimant checks that `run.lock` still holds that content and only then
+`rename`s its claim onto `run.lock` (atomic, on NFS too). Nobody else can change `run.lock` between
+the check and the rename: it exists (no fresh link succeeds) and its holder is gone (no release),
+and only the one claimant of its content may replace it. A starter that claims after the winner
+renamed finds other content in `run.lock`, drops its claim and sees the winner's live lock. A claim
+left by a starter that died is itself stale (same rules) and is taken over the same way, by a claim
+on the claim. Only `link` and `rename` are relied on: no `flock`, which NFS mounted `nolock` and
+Lustre mounted `localflock` keep per node, and Lustre `noflock` refuses.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -94,29 +107,24 @@ class RunLock:
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "process_start": _process_start(os.getpid()),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "token": uuid.uuid4().hex}
         took_over = None
-        for _ in range(3):
+        for _ in range(5):
             if _link_new(path, holder):
-                lock = cls(path, holder, threading.Event(), took_over=took_over)
-                lock._start_heartbeat()
-                return lock
-            other = _read(path)
-            if other is None:  # removed between our link and the read: try again
+                break
+            other, digest = _read(path)
+            if other is None:  # released between our link and the read: try again
                 continue
             why = _stale(path, other)
             if why is None:
                 raise LockError(_refusal(path, other))
-            aside = path.with_name(f"{LOCK_NAME}.stale-{holder['token']}")
-            try:
-                os.rename(path, aside)  # only one of several starters taking over wins this rename
-            except FileNotFoundError:
-                continue
-            moved = _read(aside)
-            aside.unlink(missing_ok=True)
-            if moved is not None and moved.get("token") != other.get("token"):
-                continue  # a newer holder replaced the stale lock meanwhile: look again
-            took_over = f"took over the lock {path} of the run ({_describe(other)}): {why}"
-        raise LockError(f"could not take the lock {path}: it keeps changing (several runs starting on "
-                        f"trainer.output_dir={str(root)!r} at once?)")
+            if _take_over(path, digest, holder, depth=0):
+                took_over = f"took over the lock {path} of the run ({_describe(other)}): {why}"
+                break
+        else:
+            raise LockError(f"could not take the lock {path}: it keeps changing (several runs starting on "
+                            f"trainer.output_dir={str(root)!r} at once?)")
+        lock = cls(path, holder, threading.Event(), took_over=took_over)
+        lock._start_heartbeat()
+        return lock
 
     def _start_heartbeat(self) -> None:
         def beat() -> None:
@@ -132,9 +140,37 @@ class RunLock:
     def release(self) -> None:
         """Remove the lock if it is still this run's (never another run's that took over)."""
         self._stop.set()
-        current = _read(self.path)
+        current, _ = _read(self.path)
         if current is not None and current.get("token") == self.holder["token"]:
             self.path.unlink(missing_ok=True)
+
+
+MAX_CLAIM_DEPTH = 3
+"""Claims on claims followed at most (each level needs another starter that died mid-takeover)."""
+
+
+def _take_over(target: Path, digest: str, holder: dict[str, Any], *, depth: int) -> bool:
+    """Replace `target`, whose content (sha1 `digest`) belongs to a holder that is gone, by a file
+    describing `holder`; True when this starter did, False when another one did or `target` changed
+    (the caller looks again). Raises `LockError` when a live starter is taking it over right now."""
+    claim = target.with_name(f"{LOCK_NAME}.next-{digest}")
+    if not _link_new(claim, holder):
+        claimant, claim_digest = _read(claim)
+        if claimant is None:  # the claimant renamed or dropped it meanwhile
+            return False
+        if _stale(claim, claimant) is None:
+            if _read(target)[1] != digest:  # it already won (or lost): look again, to name the holder
+                return False
+            raise LockError(_refusal(target.parent / LOCK_NAME, claimant))  # it is taking over now: it will hold
+        if depth >= MAX_CLAIM_DEPTH or not _take_over(claim, claim_digest, holder, depth=depth + 1):
+            return False
+    # The claim is ours: `target` can now change only through it.
+    _, current = _read(target)
+    if current != digest:
+        claim.unlink(missing_ok=True)
+        return False
+    os.rename(claim, target)
+    return True
 
 
 def _link_new(path: Path, holder: dict[str, Any]) -> bool:
@@ -152,14 +188,24 @@ def _link_new(path: Path, holder: dict[str, Any]) -> bool:
         tmp.unlink(missing_ok=True)
 
 
-def _read(path: Path) -> Optional[dict[str, Any]]:
+def _read(path: Path) -> tuple[Optional[dict[str, Any]], str]:
+    """(the holder `path` describes, the sha1 of its bytes); (None, "") when it does not exist. The
+    digest names one write of the file: every holder's description holds a fresh token."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {"host": "?", "pid": -1, "started": "?", "token": "unreadable"}
-    return data if isinstance(data, dict) else {"host": "?", "pid": -1, "started": "?", "token": "unreadable"}
+        return None, ""
+    except OSError:
+        return dict(UNREADABLE), "unreadable"
+    digest = hashlib.sha1(raw).hexdigest()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError:
+        return dict(UNREADABLE), digest
+    return (data if isinstance(data, dict) else dict(UNREADABLE)), digest
+
+
+UNREADABLE = {"host": "?", "pid": -1, "started": "?", "token": "unreadable"}
 
 
 def _stale(path: Path, holder: dict[str, Any]) -> Optional[str]:

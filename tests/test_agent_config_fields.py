@@ -7,12 +7,14 @@ The run config carries the section to the driver (`test_the_run_config_carries_t
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 
 import pytest
 
 from agent_helpers import agent_config, call_text, decoded_spans, prompt_ids, scripted_policy, tokenizer, write_plugins
 from fake_server import ThreadedFakeServer
+from sandbox_helpers import can_filter, run_without_kernel_isolation
 from megatron_bapo.rollout import PartialRolloutConfig, PartialRolloutManager, Prompt, RolloutClient, RolloutClientConfig
 from megatron_bapo.rollout import tool_calls
 from megatron_bapo.rollout.agent import AgentConfig, AgentLoop, ToolConfig
@@ -159,11 +161,38 @@ def check_format_response_suffix(p):
         "<tool_response>42</tool_response><|im_end|>\nassistant\n"
 
 
+def check_allow_unisolated_python(p):
+    # Where the kernel cannot isolate the python tool (sandbox_helpers): the loop refuses to start
+    # naming the field, unless it is true; then the code runs (behind the audit hook alone).
+    if not can_filter():
+        pytest.skip("needs Linux seccomp on x86_64 or aarch64 to take the kernel's isolation away")
+    script = """
+import asyncio, json
+from agent_helpers import agent_config, tokenizer
+from megatron_bapo.rollout.agent import AgentLoop, ToolConfig
+out = {}
+for allow in (False, True):
+    try:
+        loop = AgentLoop(agent_config(tools=[ToolConfig("py", "python")], allow_unisolated_python=allow), tokenizer())
+    except Exception as exc:
+        out[str(allow)] = f"{type(exc).__name__}: {exc}"
+        continue
+    try:
+        out[str(allow)] = asyncio.run(loop.runner.call("py", {"code": "print(6 * 7)"})).text
+    finally:
+        loop.close()
+print(json.dumps(out))
+"""
+    out = json.loads(run_without_kernel_isolation(script).strip().splitlines()[-1])
+    return "set rollout.agent.allow_unisolated_python=true" in out["False"] and out["True"] == "42\n"
+
+
 CHECKS = {
     "tools.name": check_tools_name, "tools.fn": check_tools_fn, "tools.options": check_tools_options,
     "max_turns": check_max_turns, "max_calls_per_turn": check_max_calls_per_turn,
     "tool_timeout_s": check_tool_timeout_s, "num_tool_workers": check_num_tool_workers,
-    "max_result_chars": check_max_result_chars, "format.parser": check_format_parser,
+    "max_result_chars": check_max_result_chars, "allow_unisolated_python": check_allow_unisolated_python,
+    "format.parser": check_format_parser,
     "format.call_start": check_format_call_start, "format.call_end": check_format_call_end,
     "format.stop_at_call_end": check_format_stop_at_call_end, "format.response_prefix": check_format_response_prefix,
     "format.response_template": check_format_response_template,
@@ -202,6 +231,8 @@ def test_the_run_config_carries_the_agent_section(tmp_path):
                              ("rollout.agent.tools=[{name: a, fn: calculator}, {name: a, fn: python}]", "duplicate"),
                              ("rollout.agent.format.parser=xml", "parser must be one of"),
                              ("rollout.agent.tool_timeout_s=0", "tool_timeout_s must be > 0"),
+                             ("rollout.agent.allow_unisolated_python=yes please",
+                              "allow_unisolated_python: expected true/false"),
                              ("rollout.agent.tools=[{name: a, fn: calculator, opts: {}}]", "rollout.agent.tools[0].opts")]:
         with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]")):
             load_run_config("examples/configs/tiny_tools.yaml", [override])

@@ -43,7 +43,7 @@ def test_python_tool_runs_code_and_enforces_its_limits():
     for code, needle in [("import socket; socket.socket()", "socket.__new__ is not allowed"),
                          ("import urllib.request; urllib.request.urlopen('http://127.0.0.1:9')", "not allowed"),
                          ("import os; os.fork()", "os.fork is not allowed"),
-                         ("import subprocess; subprocess.run(['true'])", "subprocess.Popen is not allowed"),
+                         ("import subprocess; subprocess.run(['true'])", "import subprocess is not allowed"),
                          ("import ctypes", "import ctypes is not allowed"),
                          ("x = bytearray(1 << 31)", "MemoryError")]:
         assert needle in python(code), code

@@ -76,6 +76,10 @@ class AgentConfig:
     """Worker processes per tool (calls of one tool run in parallel up to this many)."""
     max_result_chars: int = 1024
     """A tool's result is cut to this many characters (with a note) before it is tokenized."""
+    allow_unisolated_python: bool = False
+    """Run the built-in python tool even where the kernel cannot isolate its code (neither a network
+    namespace nor a seccomp filter: docs/rollout.md#tools-as-sandboxed-plugins). Its code is then held
+    back by the audit hook alone, which is best effort. False: such a run stops at start, in one line."""
     format: ToolCallFormat = dataclasses.field(default_factory=ToolCallFormat)
     """Call syntax and result wrapping (`rollout.tool_calls`)."""
 
@@ -92,6 +96,9 @@ class AgentConfig:
         for name in ("max_calls_per_turn", "num_tool_workers", "max_result_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.agent.{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.allow_unisolated_python, bool):
+            raise ValueError(f"rollout.agent.allow_unisolated_python must be true or false, got "
+                             f"{self.allow_unisolated_python!r}")
         if not self.tool_timeout_s > 0:
             raise ValueError(f"rollout.agent.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
 
@@ -126,7 +133,8 @@ class AgentLoop:
         self.config, self.tokenizer, self.format = config, tokenizer, config.format
         self.runner = runner or ToolRunner([ToolDef(t.name, t.fn, dict(t.options)) for t in config.tools],
                                            timeout_s=config.tool_timeout_s, num_workers=config.num_tool_workers,
-                                           max_result_chars=config.max_result_chars)
+                                           max_result_chars=config.max_result_chars,
+                                           allow_unisolated_python=config.allow_unisolated_python)
         self._stop = stop_params(tokenizer, self.format)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.turn_end_ids = frozenset(self._stop.get("stop_token_ids", [])) | ({int(eos)} if eos is not None else set())

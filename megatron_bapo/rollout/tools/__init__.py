@@ -3,15 +3,18 @@
 A tool is a function `fn(**arguments) -> str` named by a built-in name or an import path
 "package.module:function" (as reward plugins are). Built in:
 - "calculator": arithmetic by safe AST evaluation, no `eval` (`rollout.tools.calculator`);
-- "python": a Python interpreter in a subprocess with CPU-time, memory and output limits and no
-  network (`rollout.tools.python`).
+- "python": a Python interpreter in a subprocess with CPU-time, memory and output limits, kept off
+  the network and from starting processes by the kernel where it allows (`rollout.tools.python`,
+  `rollout.tools.isolation`). The runner checks once at start what this host gives it, logs it, and
+  refuses to start when the kernel gives nothing, unless `rollout.agent.allow_unisolated_python`.
 
 Every call runs in a long-lived worker process (the reward sandbox's `rewards.workers` pools, one
 pool per tool) with a hard timeout. A call that raises, hangs past `timeout_s`, kills its worker or
 returns more than `max_result_chars` becomes a short error message for the model, counted by
 status ("error", "timeout", "truncated"); the run never dies of a tool. Options given in the config
 (`rollout.agent.tools[].options`) are bound as keyword arguments in the worker; the model cannot
-override them.
+override them. The python tool's limits are bound even when the config leaves them at their
+defaults: its only argument is the code.
 """
 
 from __future__ import annotations
@@ -19,11 +22,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import inspect
 import json
+import logging
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from megatron_bapo.config_io import ConfigError
 from megatron_bapo.rewards import import_callable
+
+logger = logging.getLogger(__name__)
 
 BUILTIN_TOOLS: dict[str, str] = {
     "calculator": "megatron_bapo.rollout.tools.calculator:calculator",
@@ -37,6 +45,10 @@ STATUSES = ("ok", "error", "timeout", "truncated")
 
 class ToolSpecError(ValueError):
     """A tool spec cannot be resolved; the message names the spec and what to fix."""
+
+
+class ToolIsolationError(ConfigError):
+    """The python tool cannot be isolated by the kernel here and the config does not accept that."""
 
 
 class ToolError(Exception):
@@ -81,15 +93,23 @@ class ToolRunner:
     """Runs calls by tool name in worker processes (one `rewards.workers` pool per tool), each bounded
     by `timeout_s`; `await call(name, arguments)` never raises for a tool's failure."""
 
-    def __init__(self, tools: Sequence[ToolDef], *, timeout_s: float, num_workers: int, max_result_chars: int) -> None:
+    def __init__(self, tools: Sequence[ToolDef], *, timeout_s: float, num_workers: int, max_result_chars: int,
+                 allow_unisolated_python: bool = False) -> None:
         from megatron_bapo.rewards import workers
 
         self.timeout_s, self.max_result_chars = float(timeout_s), int(max_result_chars)
         self.tools = {t.name: t for t in tools}
-        self._pools = {}
+        self.isolation = None
+        """What the host gives the python tool's code (`isolation.Isolation`); None without a python tool."""
         for t in tools:
             load_tool_fn(t.fn)  # a bad spec fails here, naming it, not in every worker
-            args = ("-m", WORKER_MODULE, resolve_tool_path(t.fn), json.dumps(t.options, sort_keys=True),
+        python_tools = [t.name for t in tools if resolve_tool_path(t.fn) == BUILTIN_TOOLS["python"]]
+        if python_tools:
+            self.isolation = _check_python_isolation(python_tools, allow_unisolated_python)
+        self._pools = {}
+        for t in tools:
+            options = _worker_options(t, allow_unisolated_python)
+            args = ("-m", WORKER_MODULE, resolve_tool_path(t.fn), json.dumps(options, sort_keys=True),
                     str(self.max_result_chars))
             self._pools[t.name] = workers.worker_pool(args, num_workers, f"tool {t.name}")
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, num_workers * len(tools)),
@@ -131,3 +151,40 @@ def bound_text(text: str, max_chars: int, *, total: Optional[int] = None) -> tup
         return text, False
     note = f"... [cut: {total} characters in all]"
     return (text[:max(0, max_chars - len(note))] + note)[:max_chars], True
+
+
+def _worker_options(tool: ToolDef, allow_unisolated_python: bool) -> dict:
+    """The keyword arguments bound in `tool`'s workers. For the python tool: every limit (the config's
+    or its default) and `allow_unisolated`, so the model can pass the code and nothing else."""
+    if resolve_tool_path(tool.fn) != BUILTIN_TOOLS["python"]:
+        return dict(tool.options)
+    if "allow_unisolated" in tool.options:
+        raise ToolSpecError(f"rollout.agent.tools[{tool.name}].options.allow_unisolated: set "
+                            f"rollout.agent.allow_unisolated_python instead")
+    from megatron_bapo.rollout.tools.python import python
+
+    limits = {name: p.default for name, p in inspect.signature(python).parameters.items()
+              if p.kind is p.KEYWORD_ONLY}
+    return {**limits, **tool.options, "allow_unisolated": bool(allow_unisolated_python)}
+
+
+def _check_python_isolation(names: Sequence[str], allowed: bool) -> Any:
+    """What this host gives the python tool (one probe child), logged; ToolIsolationError when the
+    kernel gives nothing and `allowed` is false."""
+    from megatron_bapo.rollout.tools.isolation import probe
+
+    got = probe()
+    which = ", ".join(repr(n) for n in names)
+    if got.kernel_isolated:
+        logger.info("python tool %s isolation: %s", which, got.describe())
+    elif allowed:
+        logger.warning("python tool %s is NOT isolated by the kernel (%s): model-written code runs behind the audit "
+                       "hook alone, which is best effort, as rollout.agent.allow_unisolated_python=true allows",
+                       which, got.describe())
+    else:
+        raise ToolIsolationError(
+            f"rollout.agent.tools: the python tool {which} cannot be isolated by the kernel on this host "
+            f"({got.describe()}), so model-written code could reach the network and start processes; run where "
+            f"unprivileged user namespaces or seccomp are allowed, or set rollout.agent.allow_unisolated_python=true "
+            f"to accept the audit hook alone (best effort)")
+    return got

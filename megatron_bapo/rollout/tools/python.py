@@ -6,10 +6,14 @@ temporary directory, in its own session, with:
 - address space `memory_mb` (RLIMIT_AS; a MemoryError or a failed allocation);
 - output `max_output_bytes`: stdout and stderr go to one file capped by RLIMIT_FSIZE, so printing
   megabytes fails there (EFBIG; Python ignores SIGXFSZ) instead of filling memory or a pipe;
-- no network: a new network namespace with only a loopback that is down (unshare(2); as root, or
-  where unprivileged user namespaces are allowed), and in any case an audit hook installed before the
-  code runs that refuses sockets, new processes (fork, exec, subprocess, os.system) and ctypes;
-- a SIGKILL when the worker that started it dies (PR_SET_PDEATHSIG), so nothing outlives a timeout.
+- no network and no new processes, by the kernel where it allows (`rollout.tools.isolation`): a
+  network namespace of its own, and a seccomp filter refusing new processes and sockets; behind them,
+  an audit hook (`rollout.tools.guard`, best effort) refusing sockets, new processes (every way
+  Python offers), ctypes and foreign native modules. Where the kernel gives neither layer the code is
+  not run unless `allow_unisolated` (`rollout.agent.allow_unisolated_python`);
+- a SIGKILL when the worker that started it dies (PR_SET_PDEATHSIG), and its whole process group is
+  killed when it ends, so nothing outlives a call (a process the hook alone failed to stop included,
+  unless it left the session).
 The result is what the code printed (stdout and stderr interleaved; a traceback is ordinary output).
 Hitting a limit raises `ToolError` with what was printed so far, so the call counts as failed.
 Not a filesystem jail: the code runs as the trainer's user (in a temporary working directory that is
@@ -18,68 +22,60 @@ deleted afterwards, each file it writes capped at `max_output_bytes`); run untru
 
 from __future__ import annotations
 
-import ctypes
 import os
 import resource
 import signal
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from megatron_bapo.rollout.tools import ToolError
+from megatron_bapo.rollout.tools.isolation import NotIsolated, spawn
 
-CLONE_NEWUSER, CLONE_NEWNET, PR_SET_PDEATHSIG = 0x10000000, 0x40000000, 1
-
-# Runs inside the child before the user's code (read from stdin): the audit hook cannot be removed
-# from Python, so the code cannot open a socket, start a process or load native code via ctypes.
-BOOTSTRAP = r'''
-import sys
-_BLOCKED = ("socket.", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-            "os.forkpty", "pty.", "ctypes.", "os.startfile")
-def _hook(event, args):
-    if event.startswith(_BLOCKED) or (event == "import" and args and args[0] in ("_ctypes", "ctypes")):
-        what = f"import {args[0]}" if event == "import" else event
-        raise PermissionError(f"{what} is not allowed in the python tool")
-_code = sys.stdin.read()
-sys.stdin = open("/dev/null")
-sys.addaudithook(_hook)
-del _hook
-exec(compile(_code, "<tool>", "exec"), {"__name__": "__main__"})
-'''
+PR_SET_PDEATHSIG = 1
+BOOTSTRAP = Path(__file__).with_name("guard.py").read_text(encoding="utf-8")
+"""The child's program (`python -I -S -c BOOTSTRAP`): the audit hook, then the code read from stdin."""
 
 
 def _limit(cpu_s: float, memory_mb: int, max_output_bytes: int) -> None:
-    """In the child, before exec: resource limits, death with the parent, no network if possible."""
+    """In the child, before exec: resource limits and death with the parent."""
+    import ctypes
+
     cpu = max(1, int(cpu_s + 0.999))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     resource.setrlimit(resource.RLIMIT_FSIZE, (max_output_bytes + 1, max_output_bytes + 1))  # +1: "more than" is seen
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if libc.unshare(CLONE_NEWNET) != 0:  # root: a new network namespace; otherwise via a user namespace
-        libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)  # refused where user namespaces are off: the hook remains
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def python(code: str, *, cpu_s: float = 5.0, wall_s: float = 10.0, memory_mb: int = 512,
-           max_output_bytes: int = 16384) -> str:
-    """What `code` printed; ToolError when it exceeded a limit (module docstring)."""
+           max_output_bytes: int = 16384, allow_unisolated: bool = False) -> str:
+    """What `code` printed; ToolError when it exceeded a limit, or when the kernel cannot isolate it
+    and `allow_unisolated` is false (module docstring)."""
     if not isinstance(code, str):
         raise ToolError(f"code must be a string, got {type(code).__name__}")
     with tempfile.TemporaryDirectory(prefix="python_tool_") as workdir:
         out_path = os.path.join(workdir, ".output")
         with open(out_path, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", BOOTSTRAP], stdin=subprocess.PIPE, stdout=out,
-                stderr=subprocess.STDOUT, cwd=workdir, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                start_new_session=True, preexec_fn=lambda: _limit(cpu_s, memory_mb, max_output_bytes))
+            try:
+                proc, _ = spawn([sys.executable, "-I", "-S", "-c", BOOTSTRAP], required=not allow_unisolated,
+                                before=lambda: _limit(cpu_s, memory_mb, max_output_bytes), stdin=subprocess.PIPE,
+                                stdout=out, stderr=subprocess.STDOUT, cwd=workdir,
+                                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True)
+            except NotIsolated as exc:
+                raise ToolError(f"the code was not run: the kernel cannot isolate it here ({exc}) and "
+                                f"rollout.agent.allow_unisolated_python is false") from None
             try:
                 proc.communicate(code.encode("utf-8", "replace"), timeout=wall_s)
                 timed_out = False
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the session we started: the code and any child
+                proc.kill()
                 proc.wait()
                 timed_out = True
+            finally:
+                _kill_session(proc.pid)
         size = os.path.getsize(out_path)
         with open(out_path, "rb") as f:
             output = f.read(max_output_bytes).decode("utf-8", "replace")
@@ -93,3 +89,11 @@ def python(code: str, *, cpu_s: float = 5.0, wall_s: float = 10.0, memory_mb: in
     if rc is not None and rc < 0:
         raise ToolError(f"the code was killed by {signal.Signals(-rc).name}; output so far:\n{output}")
     return output
+
+
+def _kill_session(pid: int) -> None:
+    """SIGKILL what is left of the process group (the session) the code was started in."""
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the group we started (a pid naming a live group is not reused)
+    except ProcessLookupError:
+        pass
