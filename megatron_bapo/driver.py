@@ -193,10 +193,11 @@ class Driver:
         self.producer.start()
 
     @contextlib.contextmanager
-    def weight_update(self, version: int) -> Iterator[Any]:
+    def weight_update(self, version: int, probe: Any = None) -> Iterator[Any]:
         """Rank 0's half of a weight sync: the pool's update, whose session delivers the export to
-        every server; new rounds use `version` once it succeeded (`pool.version`)."""
-        with self.pool.update(version) as session:
+        every server; new rounds use `version` once it succeeded (`pool.version`). `probe`: the
+        actor's probe log-probs the servers are checked against (`sync.verify=probe`)."""
+        with self.pool.update(version, probe) as session:
             yield session
 
     def begin_stop(self) -> None:
@@ -331,7 +332,7 @@ class Follower:
         return None, {}
 
     @contextlib.contextmanager
-    def weight_update(self, version: int) -> Iterator[Any]:
+    def weight_update(self, version: int, probe: Any = None) -> Iterator[Any]:
         yield NullSink()  # this rank takes part in the export's gathers; rank 0 delivers
 
     def evaluate(self, step: int) -> dict[str, float]:

@@ -169,8 +169,8 @@ class DriverProcess:
         return Shipment(coords=packed.extra, own=own, payloads=payloads), metrics
 
     @contextlib.contextmanager
-    def weight_update(self, version: int) -> Iterator["RemoteSink"]:
-        self._call("update_begin", version)
+    def weight_update(self, version: int, probe: Any = None) -> Iterator["RemoteSink"]:
+        self._call("update_begin", version, probe)
         try:
             yield RemoteSink(self)
         except BaseException as exc:
@@ -283,8 +283,8 @@ class _Child:
         metrics["timing/batch_prepare_s"] = time.monotonic() - t0
         return Packed.of([shipment.own, *shipment.payloads], shipment.coords), metrics
 
-    def update_begin(self, version: int) -> None:
-        self._update = self.driver.weight_update(version)
+    def update_begin(self, version: int, probe: Any = None) -> None:
+        self._update = self.driver.weight_update(version, probe)
         self._session = self._update.__enter__()
 
     def sink_send(self, bucket: Any, last: bool) -> int:

@@ -188,6 +188,9 @@ POLICY: dict[str, tuple[str, str]] = {
     "sync.keep_versions": (APPLIED, _NEXT_SYNC),
     "sync.pause_mode": (APPLIED, _NEXT_SYNC),
     "sync.group_timeout_s": (APPLIED, _NEXT_SYNC),
+    "sync.verify": (APPLIED, _NEXT_SYNC),
+    "sync.probe_max_kl": (APPLIED, _NEXT_SYNC),
+    "sync.probe_tokens": (APPLIED, _NEXT_SYNC),
     **{f"eval.{name}": (APPLIED, "used at the next evaluation")
        for name in ("every_n_steps", "datasets", "n", "temperature", "top_p", "max_new_tokens", "reward",
                     "max_prompt_tokens", "max_problems", "concurrency")},

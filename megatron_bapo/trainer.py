@@ -238,10 +238,22 @@ class Trainer:
         or buckets), rank 0's server pool delivers (pause, update session, flush, restarts, version). A
         version the disk export cannot write (a full disk) stops the run in one line, like a save."""
         from megatron_bapo.sync.export import ExportWriteError
+        from megatron_bapo.sync.verify import ResendWeights, actor_probe
 
+        verify = self.config.sync.verify
+        # sync.verify=probe: the servers' log-probs of the probe are checked against this forward (every rank).
+        probe = actor_probe(self.actor, self.hf_config.vocab_size, self.config.sync.probe_tokens) \
+            if verify == "probe" else None
         try:
-            with self.driver.weight_update(version) as sink:
-                self.export.run(version, sink)
+            while True:  # a server that failed the check is restarted and sent the version again (once each)
+                resend = False
+                try:
+                    with self.driver.weight_update(version, probe) as sink:
+                        self.export.run(version, sink)
+                except ResendWeights:  # rank 0 (the pool): every rank exports again
+                    resend = True
+                if verify == "off" or not self._broadcast(resend):
+                    break
         except ExportWriteError as exc:  # every rank raises it; a full disk during a save is handled alike
             where = run_state.resume_point(self.checkpoint, self.output_dir / "checkpoints")
             raise ExportWriteError(f"{exc}; {where}. Free disk space (or lower sync.keep_versions) and rerun "

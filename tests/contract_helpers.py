@@ -87,18 +87,37 @@ class Served:
         server.proc.wait(timeout=60)
 
     # ------------------------------------------------------------------ weights
-    def load(self, path: Path, *, pause_mode: Optional[str] = None) -> int:
+    def load(self, path: Path, *, pause_mode: Optional[str] = None, probe: Any = None) -> int:
         """The pool's update of every server to the next version, from `path` on disk, under
-        `pause_mode` (None: this Served's sync config), as the trainer's disk sync does; returns it."""
+        `pause_mode` (None: this Served's sync config), as the trainer's disk sync does; returns it.
+        `probe`: the trainer's probe of `path`'s weights (`Served.probe`, `sync.verify=probe`)."""
         version = self.version + 1
         self.pool.sync = dataclasses.replace(self.sync, pause_mode=pause_mode or self.sync.pause_mode)
         try:
-            with self.pool.update(version) as session:
+            with self.pool.update(version, probe) as session:
                 session.load_from_disk(Path(path), version)
         finally:
             self.pool.sync = self.sync
         assert self.version == version
         return version
+
+    def verify_with(self, mode: str) -> None:
+        """The pool checks its servers with `sync.verify=mode` from now on, as a run so configured does
+        (its `/server_info` read as before the first update)."""
+        from megatron_bapo.sync.verify import Verifier
+
+        self.sync = dataclasses.replace(self.sync, verify=mode)
+        self.pool.sync = self.sync
+        self.pool.verifier = Verifier(self.sync, str(self.model_a))
+        self.pool.verifier.set_servers(self.client.run(self.client.aget_server_info()))
+
+    def probe(self, path: Path, num_tokens: int = 32) -> Any:
+        """The trainer's side of `sync.verify=probe` for the weights at `path`: their fp32 log-probs of
+        the probe sequence (a transformers forward stands in for the actor's)."""
+        from megatron_bapo.sync.verify import Probe, probe_token_ids
+
+        ids = probe_token_ids(self.reference(path).config.vocab_size, num_tokens)
+        return Probe(tuple(ids), tuple(self.ref_logprobs(ids[:1], ids[1:], path=path).tolist()), "float32")
 
     def reference(self, path: Optional[Path] = None) -> Any:
         """A transformers model of `path` (default: what is served), fp32, eval mode."""

@@ -22,6 +22,7 @@ from contract_helpers import ENGINES, LONG, MAX_TOTAL_TOKENS, PROMPT, Served, ch
 from megatron_bapo.rollout.errors import RolloutError
 
 pytestmark = pytest.mark.slow
+CORRUPTED = "model.layers.1.mlp.down_proj.weight"
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,22 @@ def model_b(tmp_path_factory):
     from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
 
     return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("model_b"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def corrupted(model_b, tmp_path_factory):
+    """model_b with one tensor zeroed (`model.layers.1.mlp.down_proj.weight`): a server given it serves
+    wrong weights under a right version."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("corrupted") / "model"
+    shutil.copytree(model_b, path)
+    weights = load_file(str(path / "model.safetensors"))
+    weights[CORRUPTED] = torch.zeros_like(weights[CORRUPTED])
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -232,6 +249,50 @@ def test_the_servers_run_as_the_config_says(served):
     assert status == 400 and json.loads(text) == {"success": False, "message": "The group to be destroyed does not exist."}
 
 
+def test_weights_checker_reports_sglangs_layout_and_hashes_of_the_served_weights(served):
+    """`/weights_checker {"action": "checksum"}`: one engine rank, SGLang's tensor names (fused qkv_proj and
+    gate_up_proj, no tied head) and its CPU hash of each, equal to what the trainer computes from the
+    checkpoint it sent (`sync.verify.ExpectedChecksums`); skip_tensor_list leaves tensors out."""
+    from megatron_bapo.convert.served_layout import overall_checksum
+    from megatron_bapo.sync.verify import ExpectedChecksums
+
+    served.load(served.model_b)
+    status, text = served.http("POST", "/weights_checker", {"action": "checksum"})
+    assert status == 200, text
+    reply = json.loads(text)
+    assert reply["success"] is True and len(reply["ranks"]) == 1
+    rank = reply["ranks"][0]
+    assert rank["parallelism_info"] == [{"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+                                         "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}]
+    config = json.loads((served.model_b / "config.json").read_text())
+    expected = ExpectedChecksums.of_directory(served.model_b, config, torch.float32, "cpu").checksums
+    assert rank["checksums"] == expected and "model.layers.0.self_attn.qkv_proj.bias" in expected
+    assert "lm_head.weight" not in expected and "model.layers.0.self_attn.q_proj.weight" not in expected
+    assert rank["per_gpu_checksum"] == overall_checksum(expected)
+    status, text = served.http("POST", "/weights_checker", {"action": "checksum", "skip_tensor_list": ["mlp."]})
+    assert status == 200 and not any("mlp." in n for n in json.loads(text)["ranks"][0]["checksums"]), text
+
+
+@pytest.mark.parametrize("mode", ["probe", "checksum"])
+def test_a_server_given_a_corrupted_tensor_fails_the_weight_check(served, corrupted, mode):
+    """`sync.verify`: after an update the server passes the pool's check; given one corrupted tensor under
+    the same version (behind the pool's back) it fails, naming the probe KL or the tensor."""
+    served.verify_with(mode)
+    try:
+        version = served.load(served.model_b, probe=served.probe(served.model_b))
+        assert served.pool.verifier.check(served.client, [served.url]) == {}
+        served.client.update_weights_from_disk(str(corrupted), version)
+        failures = served.pool.verifier.check(served.client, [served.url])
+    finally:
+        served.verify_with("off")
+    assert list(failures) == [served.url]
+    if mode == "probe":
+        assert failures[served.url].startswith("probe KL ") and "over 31 tokens > 1e-10" in failures[served.url]
+    else:
+        assert failures[served.url].startswith(f"tensor {CORRUPTED} differs") and "1 of 16" in failures[served.url]
+    served.load(served.model_b)
+
+
 def test_evaluation_samples_what_the_model_decodes(served, tmp_path):
     """`eval.run_evaluation` through the server at temperature 0 scores what greedy decoding of the
     served weights says."""
@@ -270,6 +331,35 @@ def test_a_sigkilled_server_is_restarted_by_the_pool_with_the_current_weights(se
     r = served.client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True})
     assert r.versions == [version] * 6
     check_logprobs(served, PROMPT, r, path=served.model_b)
+
+
+def test_a_restarted_server_on_the_checkpoints_weights_is_caught_before_its_first_generation(served, tmp_path):
+    """`sync.verify=probe`: a server that came back on the checkpoint's (older) weights (here the version's
+    directory holds them) is checked by the restart, before any request reaches it, and the run stops in
+    one line naming the server, the KL and the version (one restart left: `rollout.max_server_restarts`)."""
+    import shutil
+
+    from megatron_bapo.sync.verify import WeightCheckError
+
+    version_dir = tmp_path / "v"
+    shutil.copytree(served.model_b, version_dir)
+    served.verify_with("probe")
+    budget = served.pool.rollout.max_server_restarts
+    try:
+        version = served.load(version_dir, probe=served.probe(served.model_b))
+        shutil.copy(served.model_a / "model.safetensors", version_dir / "model.safetensors")
+        served.pool.rollout.max_server_restarts = served.pool.restarts[0] + 1  # the crash's restart only
+        requests = served.client.stats["num_requests"]
+        served.kill()
+        with pytest.raises((WeightCheckError, RolloutError)) as caught:
+            served.pool.ensure_alive()
+        assert served.client.stats["num_requests"] == requests  # nothing generated on it
+    finally:
+        served.pool.rollout.max_server_restarts = budget
+        served.verify_with("off")
+    message = str(caught.value)
+    assert "\n" not in message and served.url in message and "probe KL" in message, message
+    assert f"weight check of version {version}" in message and "max_server_restarts" in message, message
 
 
 def test_what_a_dead_trainer_left_is_cleared_before_the_next_join(served):

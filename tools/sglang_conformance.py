@@ -96,6 +96,8 @@ def route_table(root: Path) -> tuple[dict[tuple[str, str], Optional[str]], dict[
                 ann = arg.annotation
                 if isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id == "Annotated":
                     ann = ann.slice.elts[0] if isinstance(ann.slice, ast.Tuple) else ann.slice
+                if isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id == "Optional":
+                    ann = ann.slice  # an optional body (/weights_checker): the class when one is sent
                 if isinstance(ann, ast.Name) and ann.id.endswith(("ReqInput", "Req", "ReqInput_")):
                     body_cls = ann.id
             doc = ast.get_docstring(node) or ""

@@ -293,11 +293,13 @@ class ControlMixin:
     def pause_generation(self, mode: Optional[str] = None) -> None:
         self.run(self.apause_generation(mode))
 
-    async def acontinue_generation(self) -> None:
+    async def acontinue_generation(self, *, release: bool = True) -> None:
         """`/continue_generation` on every worker. After an "abort" pause, requests sent before it that
         are still unanswered were held by the paused servers without running (the ones running came
         back aborted): they are cut first, so none runs a whole segment on the new weights in a round
-        that should have ended (they come back aborted with no tokens, and go out again next round)."""
+        that should have ended (they come back aborted with no tokens, and go out again next round).
+        `release=False`: the servers run again but new requests keep waiting in the client until
+        `release_generation` (the served weights are verified in between: `ServerPool.update`)."""
         cut = [(rid, post) for rid, (epoch, post) in self._sent.items()
                if self._pause_epoch is not None and epoch < self._pause_epoch and not post.done()]
         for rid, post in cut:
@@ -308,7 +310,10 @@ class ControlMixin:
         try:
             await self._each_or_raise("continue_generation",
                                       lambda u: self._expect_success(u, "/continue_generation", {}))
-        finally:
+        except BaseException:
+            self._release_pause()
+            raise
+        if release:
             self._release_pause()
 
     def _release_pause(self) -> None:
@@ -325,8 +330,37 @@ class ControlMixin:
             self._held_waiters.append(fut)
             await fut
 
-    def continue_generation(self) -> None:
-        self.run(self.acontinue_generation())
+    def continue_generation(self, *, release: bool = True) -> None:
+        self.run(self.acontinue_generation(release=release))
+
+    def hold_generation(self) -> None:
+        """New requests wait in the client (the servers are not paused) until `release_generation`."""
+        self._held = True
+
+    def release_generation(self) -> None:
+        """New requests go out again (after `hold_generation` or `continue_generation(release=False)`)."""
+        self._release_pause()
+
+    # ------------------------------------------------------------------ what a server serves
+    async def ascore(self, url: str, input_ids: list[int]) -> list[float]:
+        """log p(ids[t] | ids[:t]) for t >= 1 as the worker `url` computes them: one prefill
+        (`max_new_tokens` 0, `return_logprob`, `logprob_start_len` 0) sent past any pause hold of the
+        client (it verifies weights while rollout requests wait: `ServerPool.update`)."""
+        body = {"input_ids": [int(i) for i in input_ids], "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}
+        status, text = await self._request("POST", url, "/generate", body)
+        if status != 200:
+            raise RolloutError(f"{url}/generate (the weight probe) failed ({status}): {text[:300]}")
+        try:
+            entries = json.loads(text)["meta_info"]["input_token_logprobs"]
+            return [float(e[0]) for e in entries[1:]]
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise RolloutError(f"{url}/generate (the weight probe) replied without input log-probs: {text[:300]}") from exc
+
+    async def aweights_checksum(self, url: str) -> dict:
+        """`/weights_checker {"action": "checksum"}` of the worker `url` (SGLang 0.5.23): per engine rank
+        the hash of every tensor it serves, in its own layout (`convert.served_layout`)."""
+        return await self._expect_success(url, "/weights_checker", {"action": "checksum"})
 
     async def await_healthy(self, timeout_s: Optional[float] = None) -> None:
         """Poll `/health_generate` on every worker (and `/health` on the router) until 200."""

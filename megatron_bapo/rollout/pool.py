@@ -4,9 +4,9 @@
     pool.start()                         # rollout.engine servers on loopback unless rollout.client names servers
     pool.client                          # generation, control and evaluation go through it
     pool.version                         # the weight version every server serves (the one place it lives)
-    with pool.update(version) as session:            # restart dead servers, check flags, pause, begin
+    with pool.update(version, probe) as session:     # restart dead servers, check flags, pause, begin
         export.run(version, session)                 # session.load_from_disk(dir) / session.send(bucket)
-    # exit: end the session, continue generation; `pool.version` is `version` once it succeeded
+    # exit: end the session, verify (sync.verify), continue; `pool.version` is `version` once it succeeded
     pool.retry_after_restart(call)       # call(); if it failed because a server it started died: restart, call again
     pool.close()                         # abort in flight, leave the weight group, stop the servers it started
 
@@ -31,6 +31,9 @@ An update follows SGLang 0.5.23 (spec sections 9, 10, 12):
   under the "in_place" pause, where SGLang refuses it; only the last bucket of a distributed update flushes;
 - disk: `/update_weights_from_disk`; a server the pool started that died during it is restarted and
   every server loads the version again (the directory is complete on disk).
+After an update, and after every restart, the servers' weights are checked (`sync.verify`,
+`megatron_bapo.sync.verify`) while rollout requests wait in the client; a failing server is restarted
+once with the current weights (the crash path), a second failure stops the run.
 Before the first update every server's `/server_info` must show the flags the run relies on
 (`required_server_flags`): a seed SGLang would ignore, or KV an in-place pause could not flush, is
 refused there instead of silently changing what is trained. The servers the pool starts get the
@@ -51,6 +54,7 @@ from megatron_bapo.config_io import ConfigError
 from megatron_bapo.rollout.client import API_KEY_ENV, RolloutClient
 from megatron_bapo.rollout.errors import RolloutError
 from megatron_bapo.rollout.server_layout import weight_group_ranks
+from megatron_bapo.sync.verify import Probe, ResendWeights, Verifier, WeightCheckError
 from megatron_bapo.weight_update import flushes_cache
 
 if TYPE_CHECKING:
@@ -117,6 +121,9 @@ class ServerPool:
         self._sender: Any = None  # rollout.weight_group.DistributedWeightSender, built at the first update
         self._group_restarts = -1
         self._checked = False
+        self.verifier = Verifier(self.sync, model_path)
+        """What the served version must show (`sync.verify`), and the check of a server against it."""
+        self._check_restarts: dict[str, int] = {}  # url -> the version a failed check restarted it at
 
     @property
     def kind(self) -> str:
@@ -224,25 +231,70 @@ class ServerPool:
         `updating`: the caller is about to deliver a new version to every server (a distributed sync
         then needs no copy of the current one). Returns the URLs restarted; raises RolloutError naming
         a server out of restarts, or one that cannot be given the current version."""
-        restarted = []
-        for i, server in enumerate(self.servers):
-            if server.alive():
-                continue
-            if self.restarts[i] >= self.rollout.max_server_restarts:
-                raise RolloutError(f"{self.kind} {server.url} died again (exit code {server.proc.returncode}) after "
-                                   f"{self.restarts[i]} restart(s) (rollout.max_server_restarts); its log: "
-                                   f"{server.log_path}")
-            self.restarts[i] += 1
-            logger.warning("%s %s (pid %d) died with exit code %s; restarting it (%d of %d)", self.kind, server.url,
-                           server.pid, server.proc.returncode, self.restarts[i], self.rollout.max_server_restarts)
-            self.servers[i] = self._start_server(i, port=server.port)
-            restarted.append(server.url)
+        restarted = [self._restart(i, f"died with exit code {s.proc.returncode}", f"died again (exit code "
+                                   f"{s.proc.returncode})") for i, s in enumerate(self.servers) if not s.alive()]
         if restarted:
-            self.num_restarted += len(restarted)
-            self._write_servers()
             self._give_current_version(restarted, updating=updating)
             self.client.wait_healthy()
+            if not updating:  # checked before it takes requests (an update checks every server itself)
+                self._verify(restarted, self.version)
         return restarted
+
+    def _restart(self, i: int, why: str, why_again: str) -> str:
+        """Stop server `i` if it still runs and start it again on its port (counted against
+        `rollout.max_server_restarts`); its URL. The caller gives it the current version."""
+        server = self.servers[i]
+        if self.restarts[i] >= self.rollout.max_server_restarts:
+            raise RolloutError(f"{self.kind} {server.url} {why_again} after {self.restarts[i]} restart(s) "
+                               f"(rollout.max_server_restarts); its log: {server.log_path}")
+        self.restarts[i] += 1
+        logger.warning("%s %s (pid %d) %s; restarting it (%d of %d)", self.kind, server.url, server.pid, why,
+                       self.restarts[i], self.rollout.max_server_restarts)
+        server.stop()
+        self.servers[i] = self._start_server(i, port=server.port)
+        self.num_restarted += 1
+        self._write_servers()
+        return server.url
+
+    def verify_servers(self) -> None:
+        """Check every server against the served version now (`sync.verify`; what an update and a restart do)."""
+        self._verify(self.client.worker_urls(), self.version)
+
+    def _verify(self, urls: list[str], version: int) -> None:
+        """`sync.verify`'s check of `urls` against `version`: a failing server is restarted once with the
+        current weights (disk: the version's directory; distributed: `ResendWeights`, the trainer sends
+        the version again) and checked again; a second failure raises WeightCheckError."""
+        failures = self.verifier.check(self.client, urls)
+        if not failures:
+            if self.verifier.current is not None:
+                logger.info("weight check v%d (sync.verify=%s) passed on %d server(s): %s", version,
+                            self.sync.verify, len(urls), self.verifier.summary)
+            return
+        own = {s.url: i for i, s in enumerate(self.servers)}
+        again = {u: why for u, why in failures.items() if self._check_restarts.get(u) == version}
+        if again:
+            url, why = next(iter(again.items()))
+            what = (f"{self.kind} {url} does not serve weight version {version} after a restart with it: {why}; its "
+                    f"log: {self.servers[own[url]].log_path}") if url in own else \
+                f"server {url} does not serve weight version {version} after it was sent the version again: {why}"
+            raise WeightCheckError(what)
+        for url, why in failures.items():
+            self._check_restarts[url] = version
+            logger.warning("server %s failed the weight check of version %d: %s", url, version, why)
+            if url in own:
+                self._restart(own[url], f"failed the weight check of version {version}",
+                              f"failed the weight check of version {version} ({why})")
+        urls = list(failures)
+        if self.served.path is None:  # distributed: the restarted servers hold no copy of this version
+            raise ResendWeights(f"server(s) {', '.join(urls)} restarted after failing the weight check of "
+                                f"version {version}: it is sent again")
+        restarted = [u for u in urls if u in own]
+        self._give_current_version(restarted, updating=False)
+        external = [u for u in urls if u not in own]  # not ours to restart: the version is loaded again
+        if external:
+            self.client.update_weights_from_disk(self.served.path, version, only=external)
+        self.client.wait_healthy()
+        self._verify(urls, version)
 
     def retry_after_restart(self, call: Callable[[], T], *, updating: bool = False,
                             before_retry: Optional[Callable[[], None]] = None) -> T:
@@ -287,16 +339,21 @@ class ServerPool:
 
     # ------------------------------------------------------------------ weight updates
     @contextlib.contextmanager
-    def update(self, version: int) -> Iterator["UpdateSession"]:
+    def update(self, version: int, probe: Optional[Probe] = None) -> Iterator["UpdateSession"]:
         """One update of every server to `version` (see the module docstring); the session is the
-        export's sink. `self.version` becomes `version` when the update completed."""
+        export's sink. `self.version` becomes `version` when the update completed. `probe`: the
+        actor's log-probs of the probe sequence (`sync.verify=probe`; without it nothing is checked)."""
         self.ensure_alive(updating=True)
         if not self._checked:
             self._check_servers()
         client, mode = self.client, self.sync.pause_mode
         session = UpdateSession(self, version)
+        verifying = self.verifier.begin(probe)
         if mode is not None:
             client.pause_generation(mode)
+        elif verifying:  # requests wait in the client until the new weights passed the check
+            client.hold_generation()
+        held = verifying
         try:
             if self.sync.method == "distributed":
                 self._ensure_group()
@@ -309,9 +366,20 @@ class ServerPool:
                 logger.info("weight sync v%s: %d tensors over %s", version, session.num_tensors, self.sync.backend)
             else:
                 yield session
+            self.verifier.delivered()
+            if verifying:
+                if mode is not None and self.sync.verify == "probe":  # the probe is a generation: servers run
+                    client.continue_generation(release=False)
+                    mode = None
+                self._verify(client.worker_urls(), version)
+        except ResendWeights:
+            held = False  # requests keep waiting: the version is sent again at once
+            raise
         finally:
             if mode is not None:
-                client.continue_generation()
+                client.continue_generation(release=held or not verifying)
+            if held:
+                client.release_generation()
 
     def _load_from_disk(self, path: Path, version: int) -> None:
         """Every server loads the complete HF directory `path` as `version`; a started server that
@@ -329,7 +397,9 @@ class ServerPool:
 
     def _check_servers(self) -> None:
         """Every server runs with the flags this run relies on (see the module docstring)."""
-        for url, info in self._server_infos().items():
+        infos = self._server_infos()
+        self.verifier.set_servers(infos)
+        for url, info in infos.items():
             if self.rollout.deterministic_inference and not info.get("enable_deterministic_inference"):
                 raise ConfigError(f"rollout.deterministic_inference is true but server {url} runs without "
                                   f"--enable-deterministic-inference, so it would ignore every sampling_seed; "
@@ -382,10 +452,12 @@ class UpdateSession:
 
     def load_from_disk(self, path: Path, version: int) -> None:
         self.pool._load_from_disk(path, version)
+        self.pool.verifier.loaded(path)
 
     def send(self, bucket: list, *, last: bool) -> int:
         """One bucket of (hf_name, tensor) to every server; the last carries the version and the flush."""
         sent = self.pool._sender.send(bucket, weight_version=str(self.version) if last else None,
                                       flush_cache=last and flushes_cache(self.pool.sync.pause_mode))
+        self.pool.verifier.sent(bucket)  # sync.verify=checksum: hashed while the tensors are valid
         self.num_tensors += sent
         return sent

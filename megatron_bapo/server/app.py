@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from aiohttp import web
 
-from megatron_bapo.server import control, distributed
+from megatron_bapo.server import control, distributed, weights_checker
 from megatron_bapo.server.config import ServerConfig
 from megatron_bapo.server.engine import Engine
 from megatron_bapo.server.http import (STATE_KEY, body_too_large, error_response, parse_json, read_body)
@@ -288,6 +288,7 @@ def create_app(state: ServerState) -> web.Application:
         app.router.add_get(path, handler)
     control.add_routes(app)
     distributed.add_routes(app)
+    weights_checker.add_routes(app)
     return app
 
 

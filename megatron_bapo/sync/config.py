@@ -9,6 +9,8 @@ from typing import Optional
 from megatron_bapo.config_io import ConfigError
 from megatron_bapo.weight_update import PAUSE_MODES
 
+VERIFY_MODES = ("off", "probe", "checksum")
+
 
 @dataclass
 class SyncConfig:
@@ -37,6 +39,23 @@ class SyncConfig:
     group_timeout_s: float = 600.0
     """Timeout of the distributed weight group: its rendezvous, every broadcast and the HTTP calls
     that announce them. A server that does not join or receive within it fails the sync naming it."""
+    verify: str = "probe"
+    """What checks, after every sync and after every server restart, that the servers hold the weights
+    the trainer sent (`megatron_bapo.sync.verify`; docs/cluster.md, "Served weights verified"): "probe"
+    scores `probe_tokens` fixed tokens on every server and compares them with the actor's own log-probs
+    (any engine; catches wrong or stale weights through what they compute); "checksum" compares every
+    server's `/weights_checker` hashes with the hashes of what was sent, in the server's layout (exact;
+    SGLang 0.5.23 or the built-in server, dense Qwen2/Qwen3/Llama served at TP 1); "off". A failing
+    server is restarted once with the current weights; a second failure stops the run."""
+    probe_max_kl: Optional[float] = None
+    """Largest probe KL (mean over the probe's tokens of exp(d) - 1 - d, d = actor log-prob - server
+    log-prob) a server may show. null: by dtype, 1e-10 when the actor and the server both compute in
+    float32, else 1e-2 (`sync.verify.PROBE_MAX_KL`). Measured on the tiny model (benchmarks/bench_verify.py):
+    same weights 4e-14 (fp32) and 3e-7 (a bfloat16 server); one Adam step stale 3e-6; one corrupted tensor
+    2e-8 to 2e-4. With 16-bit weights on either side only gross errors (a wrong conversion, garbage, weights
+    many steps old) stand above the rounding; docs/cluster.md."""
+    probe_tokens: int = 128
+    """Length of the probe sequence (fixed pseudo-random token ids, the same every sync)."""
 
     def __post_init__(self) -> None:
         if self.method not in ("disk", "distributed"):
@@ -53,3 +72,9 @@ class SyncConfig:
             raise ConfigError(f"sync.pause_mode must be null, 'abort', 'retract' or 'in_place', got {self.pause_mode!r}")
         if not self.group_timeout_s > 0:
             raise ConfigError(f"sync.group_timeout_s must be > 0, got {self.group_timeout_s}")
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"sync.verify must be 'off', 'probe' or 'checksum', got {self.verify!r}")
+        if self.probe_max_kl is not None and not self.probe_max_kl > 0:
+            raise ConfigError(f"sync.probe_max_kl must be > 0 or null (by dtype), got {self.probe_max_kl}")
+        if self.probe_tokens < 2:
+            raise ConfigError(f"sync.probe_tokens must be >= 2 (the first token has no log-prob), got {self.probe_tokens}")
