@@ -43,9 +43,10 @@ from megatron_bapo.config_io import ConfigError
 from megatron_bapo.experience import build_experience
 from megatron_bapo.logs import CONSOLE
 from megatron_bapo.metrics import MetricsWriter
-from megatron_bapo.run_state import CheckpointError
+from megatron_bapo.run_state import CheckpointError, checkpoint_dir
 from megatron_bapo.rollout.batch import mask_stale_tokens
 from megatron_bapo.rollout.pool import ServerPool
+from megatron_bapo.rollout.state_tokens import TokenFile, gc_paused, in_background, save_tokens
 from megatron_bapo.sync.export import NullSink
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class Driver:
         self._thread_cpu = 0.0
         self.record: dict[str, Any] = {}
         """What this run's checkpoints record about it (`run_record`), saved as trainer.json's "run"."""
+        self._restoring: Any = None
+        """The resumed rollout state being rebuilt in the background (a Future), until start_rollout."""
 
     # ------------------------------------------------------------------ setup / teardown
     def start(self, state: dict[str, Any], *, step: int, version: int, hf_config: Any, world_size: int,
@@ -125,16 +128,35 @@ class Driver:
         if state:
             try:
                 self.dataset.load_state_dict(state["data"])
-                manager.load_state_dict(state["rollout"])
-                self.producer.load_state_dict(state.get("rounds", {}))
-                self.sampler.load_state_dict(state.get("sampling", {}),
-                                             legacy_unrecorded=state.get("rounds", {}).get("unrecorded", []))
-            except (ValueError, KeyError, TypeError) as exc:  # a checkpoint written before run records
+                manager.check_state_dict(state["rollout"])
+                tokens = TokenFile.open(state, checkpoint)  # the buffers' token file fits its descriptor
+            except (ValueError, KeyError, TypeError, OSError) as exc:  # a checkpoint written before run records
                 raise CheckpointError(f"cannot resume from {checkpoint}: {exc}. {run_record.WAY_OUT}") from exc
+            # The buffers' lists are rebuilt (~20 ns a value) while the actor loads; start_rollout waits for them.
+            self._restoring = in_background(lambda: self._restore(state, tokens))
         # Resumed: drop the steps after the checkpoint (they are redone). Started over in a used
         # directory: drop the earlier run's metrics, as its samples.jsonl is, or curves would mix.
         self.writer = MetricsWriter(self.output_dir / "tb", purge_step=step + 1 if state else 0)
         self.ledger = SampleLedger(self.output_dir / "samples.jsonl", resume_step=step if state else None)
+
+    def _restore(self, state: dict[str, Any], tokens: Optional[TokenFile]) -> None:
+        """The partial-rollout buffer, the rounds produced ahead and the sampler's step, from `state`
+        (its token lists in `tokens`' file, or plain lists in a checkpoint from before that file)."""
+        with gc_paused():
+            state = tokens.load() if tokens is not None else state
+            self.producer.manager.load_state_dict(state["rollout"])
+            self.producer.load_state_dict(state.get("rounds", {}))
+            self.sampler.load_state_dict(state.get("sampling", {}),
+                                         legacy_unrecorded=state.get("rounds", {}).get("unrecorded", []))
+
+    def _restored(self) -> None:
+        """Wait for the rollout state `start` restores in the background (its error, if any, raised here)."""
+        restoring, self._restoring = self._restoring, None
+        if restoring is not None:
+            try:
+                restoring.result()
+            except (ValueError, KeyError, TypeError, OSError) as exc:
+                raise CheckpointError(f"cannot resume the rollout state: {exc}. {run_record.WAY_OUT}") from exc
 
     def _preflight(self) -> None:
         """What would otherwise fail only after the model loads (minutes on a cluster): paths and the
@@ -190,6 +212,7 @@ class Driver:
 
     def start_rollout(self) -> None:
         """Start producing rounds (after the servers hold the weights to sample from)."""
+        self._restored()
         self.producer.start()
 
     @contextlib.contextmanager
@@ -297,14 +320,20 @@ class Driver:
         self.writer.log(step, metrics)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, step: int, version: int) -> dict[str, Any]:
+    def state_dict(self, step: int, version: int, ckpt_dir: Optional[Path] = None) -> dict[str, Any]:
         """Everything rank 0 needs to resume: taken with the producer paused between rounds; the round in
-        flight (rollout ahead of training) is aborted with its tokens kept, not drained."""
+        flight (rollout ahead of training) is aborted with its tokens kept, not drained. The buffers'
+        token lists are written here, as flat arrays, into `ckpt_dir` (default: the step's checkpoint
+        directory, where the trainer writes trainer.json next: `rollout.state_tokens`); what is
+        returned (and crosses the driver process's pipe) is a small JSON-safe tree."""
+        self._restored()
         self.producer.pause(abort=True)
         try:
-            return {"step": step, "version": version, "data": self.dataset.state_dict(),
-                    "rollout": self.producer.manager.state_dict(), "rounds": self.producer.state_dict(),
-                    "sampling": self.sampler.state_dict(), "run": self.record}
+            with gc_paused():
+                state = {"step": step, "version": version, "data": self.dataset.state_dict(),
+                         "rollout": self.producer.manager.state_dict(), "rounds": self.producer.state_dict(),
+                         "sampling": self.sampler.state_dict(), "run": self.record}
+                return save_tokens(state, ckpt_dir or checkpoint_dir(self.output_dir, step))
         finally:
             self.producer.resume()
 

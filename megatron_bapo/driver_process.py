@@ -22,7 +22,9 @@ logged)` -> `("ok", result, seconds)` or `("error", exception, seconds)`; `logge
 metrics `log` was given since the previous call (no round trip of their own). Tensors cross it in shared memory
 (CUDA tensors as IPC handles), so a weight bucket is not copied: the child's weight sender
 broadcasts rank 0's gathered tensors to the servers itself; the pool stays the one owner of the
-servers. The child's log records come back over a queue and go through rank 0's own loggers (the
+servers. A checkpoint's rollout state does not cross it either: the child writes the buffers' token
+ids, log-probs and versions into the checkpoint directory as flat arrays and reads them back at
+resume (`rollout.state_tokens`); the pipe carries the small tree that refers to them. The child's log records come back over a queue and go through rank 0's own loggers (the
 log file, the console lines, above the progress bar). `begin_stop` (the SIGTERM handler) signals
 the child instead of writing to the pipe, which a call may be using: the child's call in progress
 is interrupted as rank 0's own would be, and each later call to a server is one short attempt.
@@ -186,8 +188,10 @@ class DriverProcess:
         """Carried by the next call (the child writes them before it), not a round trip of its own."""
         self._outbox.append((step, metrics))
 
-    def state_dict(self, step: int, version: int) -> dict[str, Any]:
-        return self._call("state_dict", step, version)
+    def state_dict(self, step: int, version: int, ckpt_dir: Optional[Path] = None) -> dict[str, Any]:
+        """The child writes the buffers' token lists into the checkpoint itself (`rollout.state_tokens`):
+        only the small tree crosses the pipe, as at `start` when resuming."""
+        return self._call("state_dict", step, version, ckpt_dir)
 
     def begin_stop(self) -> None:
         """From the SIGTERM handler: the child stops its call in progress and makes each later call short."""

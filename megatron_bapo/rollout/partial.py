@@ -303,15 +303,21 @@ class PartialRolloutManager:
         """JSON-safe buffer and counters (part of the trainer checkpoint)."""
         return {"format": STATE_FORMAT, "groups": [g.to_dict() for g in self.buffer], "totals": dict(self.totals)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """What `load_state_dict` refuses (a format, groups of another size), found from the tree alone:
+        cheap, so a resume this config cannot continue is refused before any token is rebuilt."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"partial-rollout state format {state.get('format')!r} is not {STATE_FORMAT}")
-        groups = [RolloutGroup.from_dict(g) for g in state["groups"]]
-        bad = [g.group_id for g in groups if len(g.samples) != self.config.group_size]
+        bad = [g["group_id"] for g in state["groups"] if len(g["samples"]) != self.config.group_size]
         if bad:
             raise ValueError(f"partial-rollout state has groups of another size than "
                              f"PartialRolloutConfig.group_size={self.config.group_size}: {bad[:3]}")
-        self.buffer = groups
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict` (its token lists may be numpy views of a checkpoint's flat arrays:
+        `rollout.state_tokens`)."""
+        self.check_state_dict(state)
+        self.buffer = [RolloutGroup.from_dict(g) for g in state["groups"]]
         self.totals = {k: int(state.get("totals", {}).get(k, 0)) for k in self.counters}
 
 

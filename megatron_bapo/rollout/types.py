@@ -36,7 +36,7 @@ class Prompt:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Prompt":
-        return cls(prompt_ids=[int(x) for x in d["prompt_ids"]], answer=str(d.get("answer", "")),
+        return cls(prompt_ids=_ints(d["prompt_ids"]), answer=str(d.get("answer", "")),
                    index=int(d.get("index", -1)), metadata=dict(d.get("metadata") or {}))
 
 
@@ -182,7 +182,7 @@ class Sample:
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompt_ids": list(self.prompt_ids), "response_ids": list(self.response_ids),
-                "response_logprobs": [float(x) for x in self.response_logprobs],
+                "response_logprobs": list(self.response_logprobs),
                 "response_versions": list(self.response_versions), "state": self.state.value,
                 "finish_reason": self.finish_reason, "num_segments": self.num_segments,
                 "num_regenerations": self.num_regenerations, "error": self.error, "reward": self.reward,
@@ -191,14 +191,29 @@ class Sample:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
-        return cls(prompt_ids=[int(x) for x in d["prompt_ids"]], response_ids=[int(x) for x in d["response_ids"]],
-                   response_logprobs=[float(x) for x in d["response_logprobs"]],
-                   response_versions=[int(x) for x in d["response_versions"]], state=SampleState(d["state"]),
+        return cls(prompt_ids=_ints(d["prompt_ids"]), response_ids=_ints(d["response_ids"]),
+                   response_logprobs=_floats(d["response_logprobs"]),
+                   response_versions=_ints(d["response_versions"]), state=SampleState(d["state"]),
                    finish_reason=d.get("finish_reason"), num_segments=int(d.get("num_segments", 0)),
                    num_regenerations=int(d.get("num_regenerations", 0)), error=d.get("error"),
-                   reward=d.get("reward"), routed_experts=base64.b64decode(d.get("routed_experts") or ""),
+                   reward=d.get("reward"), routed_experts=_bytes(d.get("routed_experts")),
                    routed_width=int(d.get("routed_width", 0)),
                    agent=AgentState.from_dict(d["agent"]) if d.get("agent") else None)
+
+
+def _ints(values: Any) -> list[int]:
+    """A token list from a state: a numpy view of a checkpoint's flat arrays (`state_tokens`), or a
+    list (older checkpoints; JSON)."""
+    return values.tolist() if hasattr(values, "tolist") else [int(x) for x in values]
+
+
+def _floats(values: Any) -> list[float]:
+    return values.tolist() if hasattr(values, "tolist") else [float(x) for x in values]
+
+
+def _bytes(value: Any) -> bytes:
+    """The routing from a state: a uint8 view (`state_tokens`) or base64 text (older checkpoints)."""
+    return value.tobytes() if hasattr(value, "tobytes") else base64.b64decode(value or "")
 
 
 @dataclass
