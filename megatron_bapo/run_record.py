@@ -17,12 +17,18 @@ value and the ways out (`--no-resume`, or a new `trainer.output_dir`):
 - `rollout.group_size` and `rollout.prompts_per_step` (the buffer's groups and the rounds' shape);
 - the model's architecture and shapes, as megatron builds them (layers, widths, heads, padded vocab);
 - the optimizer's layout: `actor.use_distributed_optimizer` and `actor.optim.name`.
+
+It also records the machine (`machine_record`: CPU model, vendor, cores, torch's CPU kernels), which
+a resume only notes when it changed: the same seeds give other numbers on another CPU kind (matmul and
+reduction kernels differ by instruction set), so two runs' numbers are compared knowing where each ran.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import platform
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,6 +45,8 @@ MODEL_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
 """megatron-core `TransformerConfig` / `GPTModel` arguments that fix the weights' shapes and meaning
 (`vocab_size` is the padded one)."""
 LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "dp")
+MACHINE_KEYS = ("cpu_model", "cpu_vendor", "torch_cpu_capability", "torch_version")
+"""`machine_record()` fields whose change a resume notes (they change the numbers; the core count does not)."""
 WAY_OUT = ("put the setting(s) back to resume, or start over from model.hf_path with --no-resume "
            "(trainer.resume=false) or a new trainer.output_dir")
 
@@ -104,6 +112,76 @@ def weights_fingerprint(hf_path: str | Path) -> dict[str, Any]:
     return {"sha256": digest.hexdigest(), "num_tensors": len(names), "probed": probes}
 
 
+MACHINE_HEADER = "# machine: "
+"""Prefix of config.yaml's comment line that holds `machine_record()` as JSON (a comment: the file
+stays a config that `--config` loads)."""
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (Linux); {} elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def machine_record() -> dict[str, Any]:
+    """Where this process runs, as far as it changes the numbers: the CPU model and vendor (from
+    /proc/cpuinfo, else `platform`), its logical cores (all, and those this process may use), and the
+    CPU kernels torch dispatches to (`torch.backends.cpu.get_cpu_capability()`: AVX512, AVX2, ...;
+    `ATEN_CPU_CAPABILITY` in the environment lowers it), with torch's version and thread count."""
+    import torch
+
+    info = _cpuinfo()
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count()
+    return {
+        "cpu_model": info.get("model name") or platform.processor() or platform.machine() or "unknown",
+        "cpu_vendor": info.get("vendor_id") or info.get("CPU implementer") or platform.machine() or "unknown",
+        "num_cpus": os.cpu_count(),
+        "num_cpus_usable": usable,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY"),
+        "torch_version": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+    }
+
+
+def describe_machine(machine: Optional[dict[str, Any]]) -> str:
+    """One line for logs and summaries: "Intel(R) Xeon(R) Processor (GenuineIntel, 2 cpus), torch
+    2.13.0+cpu, CPU capability AVX512"; "unknown (not recorded)" for None."""
+    if not machine:
+        return "unknown (not recorded)"
+    forced = machine.get("aten_cpu_capability_env")
+    return (f"{machine.get('cpu_model')} ({machine.get('cpu_vendor')}, {machine.get('num_cpus')} cpus), torch "
+            f"{machine.get('torch_version')}, CPU capability {machine.get('torch_cpu_capability')}"
+            + (f" (ATEN_CPU_CAPABILITY={forced})" if forced else ""))
+
+
+def machine_header() -> str:
+    """config.yaml's first line: `MACHINE_HEADER` + `machine_record()` as JSON, newline-terminated."""
+    return MACHINE_HEADER + json.dumps(machine_record()) + "\n"
+
+
+def read_machine_header(text: str) -> Optional[dict[str, Any]]:
+    """The machine record from a config.yaml's `machine_header()` line; None when it has none."""
+    for line in text.splitlines():
+        if line.startswith(MACHINE_HEADER):
+            try:
+                return json.loads(line[len(MACHINE_HEADER):])
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
 def config_record(config: Any) -> dict[str, Any]:
     """The resolved config as `{dotted field: value}`, JSON-safe, the API key left out."""
     from megatron_bapo.config_io import to_dict
@@ -130,6 +208,7 @@ def describe(config: Any, hf_config: Any, *, world_size: int) -> dict[str, Any]:
                    "dp": world_size // (par.tp * par.pp * par.cp)},
         "weights": {"path": str(Path(config.model.hf_path).absolute()), **weights_fingerprint(config.model.hf_path)},
         "config": config_record(config),
+        "machine": machine_record(),
     }
     return json.loads(json.dumps(record))
 
@@ -202,6 +281,10 @@ def check_resume(saved: Optional[dict[str, Any]], current: dict[str, Any], ckpt:
     if saved.get("config") is None:
         notes.append(f"{Path(ckpt).name} was written before checkpoints recorded their config: changed settings "
                      f"are applied without a line each")
+    old_machine, new_machine = saved.get("machine"), current.get("machine")
+    if old_machine and new_machine and any(old_machine.get(k) != new_machine.get(k) for k in MACHINE_KEYS):
+        notes.append(f"machine {describe_machine(old_machine)} -> {describe_machine(new_machine)}: other CPU "
+                     f"kernels, so the resumed steps' numbers differ from what the same seeds gave there")
     old_layout = saved.get("layout", {})
     if old_layout and any(old_layout.get(k) != current["layout"][k] for k in LAYOUT_KEYS):
         def show(layout: dict) -> str:

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from megatron_bapo import run_state
+from megatron_bapo import run_record, run_state
 from megatron_bapo.config import RunConfig, dump_run_config
 from megatron_bapo.config_io import ConfigError
 from megatron_bapo.logs import CONSOLE
@@ -180,7 +180,8 @@ class Trainer:
         error, foreign = None, False
         if groups.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.yaml").write_text(dump_run_config(cfg), encoding="utf-8")
+            (self.output_dir / "config.yaml").write_text(run_record.machine_header() + dump_run_config(cfg),
+                                                         encoding="utf-8")
             self.driver = (DriverProcess if cfg.trainer.driver_process else Driver)(cfg, self.output_dir)
             try:  # resume checks (run_record) first: a checkpoint this config cannot resume is refused here
                 self.driver.start(state, step=self.step, version=self.version, hf_config=self.hf_config,

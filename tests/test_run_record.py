@@ -88,3 +88,52 @@ def test_fingerprint_reads_both_ends_of_a_large_file(tmp_path):
     big.write_bytes(bytes(body))
     assert run_record.data_fingerprint(big)["sha256_head_tail"] != before["sha256_head_tail"]
     assert run_record.data_fingerprint(big)["size"] == before["size"]
+
+
+def test_machine_record_names_the_cpu_and_the_kernels_torch_dispatches_to(setup):
+    """Two runs' numbers differ across CPU kinds (matmul and reduction kernels differ by instruction
+    set), so the record names the CPU and torch's kernels, read from this machine: the model name as
+    `lscpu` reports it, and the capability torch picks, which ATEN_CPU_CAPABILITY lowers."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    record, _ = setup
+    machine = record()["machine"]
+    assert machine == run_record.machine_record()
+    assert machine["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert machine["torch_version"] == torch.__version__ and machine["num_cpus"] == os.cpu_count()
+    assert machine["aten_cpu_capability_env"] == os.environ.get("ATEN_CPU_CAPABILITY")
+    if shutil.which("lscpu"):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"}).stdout
+        lscpu = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        if "Model name" in lscpu:
+            assert machine["cpu_model"] == lscpu["Model name"].strip()
+        if "Vendor ID" in lscpu:
+            assert machine["cpu_vendor"] == lscpu["Vendor ID"].strip()
+    forced = subprocess.run([sys.executable, "-c", "import json; from megatron_bapo.run_record import machine_record; "
+                             "print(json.dumps(machine_record()))"], capture_output=True, text=True, check=True,
+                            env={**os.environ, "ATEN_CPU_CAPABILITY": "default"})
+    lowered = json.loads(forced.stdout)
+    assert (lowered["torch_cpu_capability"], lowered["aten_cpu_capability_env"]) == ("DEFAULT", "default")
+    assert lowered["cpu_model"] == machine["cpu_model"]
+    line = run_record.describe_machine(lowered)
+    assert line.startswith(f"{machine['cpu_model']} ({machine['cpu_vendor']}, {os.cpu_count()} cpus), torch ")
+    assert line.endswith("CPU capability DEFAULT (ATEN_CPU_CAPABILITY=default)")
+    # config.yaml's header: one comment line, so the file still loads as a config.
+    header = run_record.machine_header()
+    assert header.startswith("# machine: {") and header.count("\n") == 1
+    assert run_record.read_machine_header(header + "trainer:\n  seed: 1\n") == run_record.machine_record()
+    assert run_record.read_machine_header("trainer:\n  seed: 1\n") is None
+
+
+def test_a_resume_on_another_cpu_kind_is_noted(setup):
+    record, _ = setup
+    saved, now = record(), record()
+    saved["machine"] = {**saved["machine"], "cpu_model": "AMD EPYC 9B14", "cpu_vendor": "AuthenticAMD"}
+    [note] = run_record.check_resume(saved, now, "ckpt")
+    assert note.startswith("machine AMD EPYC 9B14 (AuthenticAMD, ") and "other CPU kernels" in note
+    assert run_record.check_resume(record(), now, "ckpt") == []

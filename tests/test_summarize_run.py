@@ -5,6 +5,7 @@ here from the same series, and summary.png must be a readable PNG."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import random
 import re
@@ -122,3 +123,33 @@ def test_fixed_clip_run_has_no_rho_target(tmp_path):
         "rho0": 0.45, "low_start": 0.6, "low_max": 0.9, "high_start": 1.2, "high_max": 3.0}}}))
     assert tool.target_rho(run) == 0.45
     assert tool.target_rho(tmp_path) is None  # no config.yaml
+
+
+def test_summary_names_the_machine_of_the_run_and_of_its_assets(tmp_path):
+    """Two users comparing numbers see why they differ: the CPU kind and torch's kernels the run
+    started on (config.yaml's first line) and those that built its tiny assets (their info.json)."""
+    from megatron_bapo import run_record
+
+    tool = _load_tool()
+    run, assets = tmp_path / "run", tmp_path / "assets"
+    run.mkdir()
+    (assets / "base_model").mkdir(parents=True)
+    here = run_record.machine_record()
+    (run / "config.yaml").write_text(run_record.machine_header() + yaml.safe_dump(
+        {"model": {"hf_path": str(assets / "base_model")}}))
+    amd = {**here, "cpu_model": "AMD EPYC 9B14", "cpu_vendor": "AuthenticAMD"}
+    info = {"machine": amd, "sft": {"num_steps": 600},
+            "base_accuracy": {"greedy": 0.3724, "num_problems": 500, "split": "test"}}
+    (assets / "info.json").write_text(json.dumps(info))
+    machine, built = tool.machine_lines(run)
+    assert machine == f"machine          {run_record.describe_machine(here)}"
+    assert f"CPU capability {here['torch_cpu_capability']}" in machine and here["cpu_model"] in machine
+    assert built == (f"assets           {assets}: SFT 600 steps, base greedy 0.372 on 500 test problems; built on "
+                     f"AMD EPYC 9B14 (AuthenticAMD, {here['num_cpus']} cpus), torch {here['torch_version']}, "
+                     f"CPU capability {here['torch_cpu_capability']}")
+    (assets / "info.json").write_text(json.dumps({**info, "machine": here}))
+    assert tool.machine_lines(run)[1].endswith("; built on the same machine")
+    (assets / "info.json").unlink()
+    assert tool.machine_lines(run) == [machine]
+    (run / "config.yaml").write_text(yaml.safe_dump({"actor": {}}))  # a run from before the header
+    assert tool.machine_lines(run) == ["machine          unknown (not recorded)"]

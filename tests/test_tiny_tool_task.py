@@ -81,4 +81,5 @@ def test_make_tiny_cli_builds_the_tool_task(tmp_path):
     assert {"greedy", "sampled_t1", "tool_call_rate_greedy", "tool_call_rate_sampled_t1"} <= set(info["base_accuracy"])
     assert info["base_accuracy"]["num_problems"] == 16 and [c["step"] for c in info["sft"]["curve"]] == [3]
     assert info["config"]["sft"]["tool_fraction"] == 0.3 and info["config"]["task"]["operation"] == "*"
+    assert info["config"]["sft"]["target_accuracy"] is None and "machine" in info  # a fixed step count, as addition
     assert json.loads((out / "data" / "test.jsonl").read_text().splitlines()[0])["prompt"].count("*") == 1

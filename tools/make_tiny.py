@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Build the tiny default: char-level tokenizer + small Qwen2 model, reversed-digit addition data and an
-SFT warm start, written to OUT/{base_model, data/train.jsonl, data/test.jsonl, info.json}.
+SFT warm start that stops at a target accuracy, written to OUT/{base_model, data/train.jsonl, data/test.jsonl,
+info.json} (info.json also names the machine: the same seeds give other weights on another CPU kind).
 
-    python tools/make_tiny.py --out runs/tiny_assets [--sft-steps N] [--target-accuracy A] [--seed S] [--num-eval N] [--force]
+    python tools/make_tiny.py --out runs/tiny_assets [--sft-steps N] [--target-accuracy A|none] [--seed S]
+                              [--num-eval N] [--force]
     python tools/make_tiny.py --out runs/tiny_moe_assets --architecture qwen3_moe   # a tiny Qwen3-MoE
     python tools/make_tiny.py --out runs/tiny_tools_assets --task tools   # multiplication with a calculator tool
 
@@ -19,20 +21,33 @@ import sys
 
 from tqdm import tqdm
 
+from megatron_bapo.run_record import describe_machine
 from megatron_bapo.tiny.build import OutputExistsError, TinyAssetsConfig, build_tiny_assets
+
+
+def _target(value: str) -> float | str | None:
+    """--target-accuracy: a float, or "none" (no target: a fixed step count)."""
+    if value in ("default", "none"):
+        return None if value == "none" else value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {value!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output directory (must be empty unless --force)")
-    parser.add_argument("--sft-steps", type=int, default=None, help="max SFT steps (default: SFTConfig.max_steps)")
-    parser.add_argument("--target-accuracy", type=float, default=None,
-                        help="stop SFT at this greedy validation accuracy (default: SFTConfig.target_accuracy)")
+    parser.add_argument("--sft-steps", type=int, default=None,
+                        help="most SFT steps (default: SFTConfig.max_steps; --task tools: 300, all of them)")
+    parser.add_argument("--target-accuracy", type=_target, default="default",
+                        help="stop SFT at the first step with this greedy validation accuracy, or 'none' to run "
+                             "all --sft-steps (default: SFTConfig.target_accuracy; --task tools: none)")
     parser.add_argument("--loop-fraction", type=float, default=None,
                         help="share of SFT examples that loop instead of stopping (default: SFTConfig.loop_fraction)")
     parser.add_argument("--num-eval", type=int, default=None,
-                        help="problems each evaluation decodes: the base accuracy in info.json and SFT's stopping "
-                             "checks (default: 500 and SFTConfig.num_eval; fewer for a quick smoke build)")
+                        help="problems each evaluation decodes: the base accuracy in info.json and SFT's "
+                             "validation curve (default: 500 and SFTConfig.num_eval; fewer for a quick smoke build)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--architecture", default=None, choices=["qwen2", "qwen3", "qwen3_moe", "llama"],
                         help="model family (default: qwen2; qwen3_moe: 8 experts, 2 per token)")
@@ -48,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         config.model = dict(config.model, architecture=args.architecture)
     if args.sft_steps is not None:
         config.sft = dataclasses.replace(config.sft, max_steps=args.sft_steps)
-    if args.target_accuracy is not None:
+    if args.target_accuracy != "default":
         config.sft = dataclasses.replace(config.sft, target_accuracy=args.target_accuracy)
 
     if args.num_eval is not None:
@@ -76,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {k: info[k] for k in ("base_accuracy", "num_parameters", "seconds_total")}
     summary["sft_steps"] = info["sft"]["num_steps"]
     summary["sft_stopped_because"] = info["sft"]["stopped_because"]
+    summary["machine"] = describe_machine(info["machine"])
     print(json.dumps(summary))
     return 0
 

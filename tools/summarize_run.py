@@ -3,15 +3,19 @@ BAPO did, where the outputs are; writes `<run>/summary.png`.
 
     python tools/summarize_run.py runs/tiny_bapo
 
-Reads `<run>/tb/metrics.jsonl` (written by the trainer next to the TensorBoard events) and, for
-the target balance rho0, `<run>/config.yaml`. The PNG (matplotlib, Agg) has four panels over
-steps: train reward with the held-out eval points, policy entropy, the clip bounds c_low/c_high,
-and the positive-contribution share rho before and after the bound search (rho0 dashed).
+Reads `<run>/tb/metrics.jsonl` (written by the trainer next to the TensorBoard events) and
+`<run>/config.yaml`: the target balance rho0, the machine the run started on (its first line) and the
+model it started from, whose tiny assets' info.json (next to `model.hf_path`) says how the warm start
+went and on which machine it was built: the same seeds give other numbers on another CPU kind. The
+PNG (matplotlib, Agg) has four panels over steps: train reward with the held-out eval points, policy
+entropy, the clip bounds c_low/c_high, and the positive-contribution share rho before and after the
+bound search (rho0 dashed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -21,6 +25,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_bapo.metrics import read_jsonl_metrics  # noqa: E402
+from megatron_bapo.run_record import MACHINE_KEYS, describe_machine, read_machine_header  # noqa: E402
 
 PNG = "summary.png"
 EARLY_STEPS = 50  # "in the first 50 steps": how busy the search was while the policy moved most
@@ -91,6 +96,33 @@ def bapo_lines(records: list[dict[str, Any]], window: int = 3, rho0: Optional[fl
     return lines
 
 
+def machine_lines(run_dir: Path) -> list[str]:
+    """The machine the run started on (config.yaml's header) and, when `model.hf_path` sits in tiny
+    assets (an info.json next to it), their warm start and the machine that built them."""
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return []
+    import yaml
+
+    text = path.read_text(encoding="utf-8")
+    machine = read_machine_header(text)
+    lines = [f"{'machine':<16} {describe_machine(machine)}"]
+    hf_path = ((yaml.safe_load(text) or {}).get("model") or {}).get("hf_path")
+    info_path = Path(str(hf_path)).parent / "info.json" if hf_path else None
+    if info_path is None or not info_path.is_file():
+        return lines
+    info = json.loads(info_path.read_text(encoding="utf-8"))
+    built = info.get("machine")
+    same = built and machine and all(built.get(k) == machine.get(k) for k in MACHINE_KEYS)
+    sft, base = info.get("sft") or {}, info.get("base_accuracy") or {}
+    greedy = base.get("greedy")
+    quality = (f", base greedy {greedy:.3f} on {base.get('num_problems')} {base.get('split', 'test')} problems"
+               if isinstance(greedy, (int, float)) else "")
+    lines.append(f"{'assets':<16} {info_path.parent}: SFT {sft.get('num_steps')} steps{quality}; built on "
+                 + ("the same machine" if same else describe_machine(built)))
+    return lines
+
+
 def output_lines(run_dir: Path, png: Optional[Path]) -> list[str]:
     """Where the run's outputs are (those that exist)."""
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir() and "." not in p.name)
@@ -118,7 +150,7 @@ def summarize(run_dir: Path, window: int = 3) -> list[str]:
     records = read_jsonl_metrics(run_dir / "tb")
     if not records:
         raise SystemExit(f"{run_dir}/tb/metrics.jsonl has no records; did the run start?")
-    lines = [f"run: {run_dir} ({max(r['step'] for r in records)} steps)"]
+    lines = [f"run: {run_dir} ({max(r['step'] for r in records)} steps)"] + machine_lines(run_dir)
     train = [r for r in records if "rollout/reward_mean" in r]
     for key, label in (("rollout/reward_mean", "train reward"), ("rollout/accuracy", "train accuracy"),
                        ("rollout/tool_call_rate", "train tool calls")):

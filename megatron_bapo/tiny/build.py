@@ -5,7 +5,8 @@
     base_model/        HF checkpoint after SFT (config, safetensors, tokenizer, chat template)
     data/train.jsonl   RL prompts {"prompt": "47+38=", "answer": "58", "a": 47, "b": 38}
     data/test.jsonl    held-out prompts (disjoint operand pairs)
-    info.json          settings, the SFT curve and the measured base accuracy (greedy and sampled)
+    info.json          settings, the SFT curve, the measured base accuracy (greedy and sampled) and the
+                       machine that built them (CPU kind, torch's CPU kernels: `run_record.machine_record`)
 
 `TinyAssetsConfig.tools()` builds the tool task instead (`tiny.tool_task`: 3-digit multiplication,
 a calculator call in a share of the SFT examples; base accuracy and tool-call rate measured through
@@ -24,6 +25,7 @@ import shutil
 import time
 from typing import Any, Callable, Optional
 
+from megatron_bapo.run_record import machine_record
 from megatron_bapo.tiny.checkpoint import build_tiny_model, save_quietly
 from megatron_bapo.tiny.decode import answer_accuracy
 from megatron_bapo.tiny.sft import SFTConfig, run_sft
@@ -54,10 +56,11 @@ class TinyAssetsConfig:
     @classmethod
     def tools(cls, seed: int = 0) -> "TinyAssetsConfig":
         """The tool task (module docstring): multiplication, 30% of the SFT examples call the calculator,
-        no looping habit, SFT stopped at 15% sampled accuracy (the curve: `tiny.tool_task`)."""
+        no looping habit, a fixed 300 SFT steps (~15% sampled accuracy: the curve in `tiny.tool_task`;
+        its old 15% target was crossed at step 300 by 0.005, so the step count hinged on the last bits)."""
         return cls(seed=seed, task=TaskConfig.tools(),
-                   sft=SFTConfig(tool_fraction=0.3, loop_fraction=0.0, target_accuracy=0.15, max_steps=400,
-                                 eval_every=100, min_steps=200))
+                   sft=SFTConfig(tool_fraction=0.3, loop_fraction=0.0, max_steps=300, target_accuracy=None,
+                                 eval_every=100))
 
     @property
     def is_tool_task(self) -> bool:
@@ -102,7 +105,7 @@ def build_tiny_assets(
     if config.is_tool_task:
         from megatron_bapo.tiny.tool_task import agent_accuracy
 
-        def evaluate(m, rows):  # sampled, as RL samples: the stopping measure of the tool task
+        def evaluate(m, rows):  # sampled, as RL samples: the tool task's curve
             return agent_accuracy(m, tokenizer, rows, temperature=1.0, seed=sft_config.seed)
     result = run_sft(model, tokenizer, train, sft_config, on_step=on_step, evaluate=evaluate)
 
@@ -132,6 +135,7 @@ def build_tiny_assets(
         "sft": {"num_steps": result.num_steps, "stopped_because": result.stopped_because,
                 "seconds": round(result.seconds, 2), "curve": result.curve},
         "seconds_total": round(time.perf_counter() - start, 2),
+        "machine": machine_record(),
         "config": dataclasses.asdict(dataclasses.replace(config, task=task, sft=sft_config)),
     }
     tmp = out / "info.json.tmp"

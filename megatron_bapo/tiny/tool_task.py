@@ -19,7 +19,7 @@ after SFT; the RL run measures it through the real agent loop and servers.
 
 Calibration (2 cores, the default tiny model, SFT batch 64; sampled accuracy / tool-call rate on 200
 training problems at temperature 1): with 30% call demonstrations at lr 1e-3, 0.000 / 0.16 after 100
-steps, 0.040 / 0.23 after 200, 0.155 / 0.265 after 300 (84 s; where `TinyAssetsConfig.tools()` stops),
+steps, 0.040 / 0.23 after 200, 0.155 / 0.265 after 300 (84 s; the steps `TinyAssetsConfig.tools()` runs),
 0.110 / 0.155 after 400; at lr 3e-3 the copy never forms (0.000 after 500 steps). So the base calls the
 tool on about the share it was shown and copies its result on about 60-70% of those calls: RL has both
 to improve, and does within 20 steps (README).
