@@ -33,7 +33,7 @@ An update follows SGLang 0.5.23 (spec sections 9, 10, 12):
   every server loads the version again (the directory is complete on disk).
 After an update, and after every restart, the servers' weights are checked (`sync.verify`,
 `megatron_bapo.sync.verify`) while rollout requests wait in the client; a failing server is restarted
-once with the current weights (the crash path), a second failure stops the run.
+once with the current weights (the crash path), a second failure stops the run (`rollout/pool_checks.py`).
 Before the first update every server's `/server_info` must show the flags the run relies on
 (`required_server_flags`): a seed SGLang would ignore, or KV an in-place pause could not flush, is
 refused there instead of silently changing what is trained. The servers the pool starts get the
@@ -54,7 +54,8 @@ from megatron_bapo.config_io import ConfigError
 from megatron_bapo.rollout.client import API_KEY_ENV, RolloutClient
 from megatron_bapo.rollout.errors import RolloutError
 from megatron_bapo.rollout.server_layout import weight_group_ranks
-from megatron_bapo.sync.verify import Probe, ResendWeights, Verifier, WeightCheckError
+from megatron_bapo.rollout.pool_checks import WeightChecks
+from megatron_bapo.sync.verify import Probe, ResendWeights, Verifier
 from megatron_bapo.weight_update import flushes_cache
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class ServedWeights:
     path: Optional[str] = None
 
 
-class ServerPool:
+class ServerPool(WeightChecks):
     """Owns the rollout servers of a run (global rank 0): start, restart, pause, update, version."""
 
     def __init__(self, rollout: "RolloutConfig", sync: Optional["SyncConfig"] = None, *, model_path: str, seed: int,
@@ -255,46 +256,6 @@ class ServerPool:
         self.num_restarted += 1
         self._write_servers()
         return server.url
-
-    def verify_servers(self) -> None:
-        """Check every server against the served version now (`sync.verify`; what an update and a restart do)."""
-        self._verify(self.client.worker_urls(), self.version)
-
-    def _verify(self, urls: list[str], version: int) -> None:
-        """`sync.verify`'s check of `urls` against `version`: a failing server is restarted once with the
-        current weights (disk: the version's directory; distributed: `ResendWeights`, the trainer sends
-        the version again) and checked again; a second failure raises WeightCheckError."""
-        failures = self.verifier.check(self.client, urls)
-        if not failures:
-            if self.verifier.current is not None:
-                logger.info("weight check v%d (sync.verify=%s) passed on %d server(s): %s", version,
-                            self.sync.verify, len(urls), self.verifier.summary)
-            return
-        own = {s.url: i for i, s in enumerate(self.servers)}
-        again = {u: why for u, why in failures.items() if self._check_restarts.get(u) == version}
-        if again:
-            url, why = next(iter(again.items()))
-            what = (f"{self.kind} {url} does not serve weight version {version} after a restart with it: {why}; its "
-                    f"log: {self.servers[own[url]].log_path}") if url in own else \
-                f"server {url} does not serve weight version {version} after it was sent the version again: {why}"
-            raise WeightCheckError(what)
-        for url, why in failures.items():
-            self._check_restarts[url] = version
-            logger.warning("server %s failed the weight check of version %d: %s", url, version, why)
-            if url in own:
-                self._restart(own[url], f"failed the weight check of version {version}",
-                              f"failed the weight check of version {version} ({why})")
-        urls = list(failures)
-        if self.served.path is None:  # distributed: the restarted servers hold no copy of this version
-            raise ResendWeights(f"server(s) {', '.join(urls)} restarted after failing the weight check of "
-                                f"version {version}: it is sent again")
-        restarted = [u for u in urls if u in own]
-        self._give_current_version(restarted, updating=False)
-        external = [u for u in urls if u not in own]  # not ours to restart: the version is loaded again
-        if external:
-            self.client.update_weights_from_disk(self.served.path, version, only=external)
-        self.client.wait_healthy()
-        self._verify(urls, version)
 
     def retry_after_restart(self, call: Callable[[], T], *, updating: bool = False,
                             before_retry: Optional[Callable[[], None]] = None) -> T:

@@ -148,7 +148,8 @@ def server_layout(url: str, info: dict, hf_config: dict) -> tuple[torch.dtype, s
     arch = (hf_config.get("architectures") or [None])[0]
     tp = int(info.get("tp_size", 1) or 1)
     if arch not in SERVED_FAMILIES or tp != 1:
-        what = f"a {arch} model" if arch not in SERVED_FAMILIES else f"a server at TP {tp} ({url})"
+        what = (f"a {arch} model" if arch else "a model without an HF config.json") if arch not in SERVED_FAMILIES \
+            else f"a server at TP {tp} ({url})"
         raise ConfigError(f"sync.verify=checksum cannot check {what}: its server layout is implemented for "
                           f"{', '.join(SERVED_FAMILIES)} served at TP 1; use sync.verify=probe")
     device = str(info.get("device") or "cpu")
@@ -171,7 +172,10 @@ class Verifier:
         self._next: Optional[dict] = None
 
     def hf_config(self) -> dict:
-        return json.loads((Path(self.model_path) / "config.json").read_text())
+        """The served model's HF config (`model.hf_path`; {} without one: "auto" dtypes then resolve as
+        for a float32 checkpoint, and the checksum refuses an unknown family)."""
+        path = Path(self.model_path) / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
 
     def set_servers(self, infos: dict[str, dict]) -> None:
         """Every server's dtype (the probe's threshold) and, for checksums, its layout (refused: ConfigError)."""
