@@ -18,10 +18,11 @@ groups trained per step, the trainer's idle time per step (waiting for its round
 regenerated (samples reset by the staleness cap). At 64k one round is one 16k-token segment of
 every sample in flight: minutes; the rounds-per-step column is the multiplier on that.
 
-The checkpoint's rollout state (the partial-rollout buffer and the rounds ready) is measured through
-the driver process's pipe and on disk by `benchmarks/bench_rollout_state.py` (run it; its table is in
-docs/cluster.md): the recipe's buffer does not fit these CPUs' memory as Python objects, so its
-numbers are extrapolated from measured per-value costs there.
+Then the checkpoint's rollout state (the partial-rollout buffer, the rounds ready, the sampler's
+step): one save and one resume through a real pipe to a forked driver process and on disk, at
+`--checkpoint-samples` responses of 16k tokens (`benchmarks/bench_rollout_state.measure`, which also
+fits the per-value cost over several sizes and extrapolates to the recipe's ~3x10^8 values: the
+recipe's buffer does not fit these CPUs' memory as Python objects). `--checkpoint-samples 0` skips it.
 
     python benchmarks/bench_scale.py [--steps 16] [--warmup 4] [--decode-delay-ms 1000] [--train-s 4]
 """
@@ -39,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from megatron_bapo.rollout import (PartialRolloutConfig, PartialRolloutManager, Prompt, RolloutClient,  # noqa: E402
                                    RolloutClientConfig, SamplingConfig)
@@ -133,6 +135,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", nargs="+", default=["off", "filter", "refill"])
+    p.add_argument("--checkpoint-samples", type=int, default=256,
+                   help="responses of 16k tokens in the checkpoint measured through the driver process's pipe")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
@@ -157,6 +161,18 @@ def main() -> None:
               f"{r['idle_s']:.2f} | {max(r['rounds_per_step'] - 1, 0):.2f} x one 16k segment | {r['regen_tokens']} |")
     print("(at 64k the recipe sizes the actor so that a step trains in about one round's time; rollout one step "
           "ahead then hides one round per step and the trainer waits for the others)")
+    if args.checkpoint_samples:
+        from bench_rollout_state import RECIPE_VALUES, measure
+
+        r = measure(args.checkpoint_samples, 16384)
+        scale = RECIPE_VALUES / r["values"]
+        print(f"checkpoint rollout state ({r['format']}), {args.checkpoint_samples} x 16k-token responses = "
+              f"{r['values']:.3g} values, MEASURED: save {r['save_s']:.2f} s, resume {r['resume_s']:.2f} s on rank 0's "
+              f"critical path; {r['save_pipe_bytes'] / 2**20:.1f} MiB through the pipe on save, "
+              f"{r['resume_pipe_bytes'] / 2**20:.1f} MiB on resume, {r['disk_bytes'] / 2**20:.1f} MiB on disk. "
+              f"At the recipe's {RECIPE_VALUES:.0e} values, LINEAR EXTRAPOLATION (x{scale:.0f}): save ~{r['save_s'] * scale:.0f} s, "
+              f"resume ~{r['resume_s'] * scale:.0f} s, pipe ~{r['save_pipe_bytes'] * scale / 2**30:.1f} GiB "
+              f"(benchmarks/bench_rollout_state.py fits the per-value cost over several sizes)")
 
 
 if __name__ == "__main__":
