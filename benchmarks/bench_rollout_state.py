@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -79,7 +78,7 @@ def _objects(num_samples: int, tokens: int, group_size: int, prompt_tokens: int,
     for g in range(max(1, num_samples // group_size)):
         prompt = Prompt(prompt_ids=rng.integers(0, 151_936, prompt_tokens).tolist(), answer=str(g), index=g)
         samples = [Sample(prompt_ids=list(prompt.prompt_ids), response_ids=rng.integers(0, 151_936, tokens).tolist(),
-                          response_logprobs=(-rng.exponential(1.0, tokens)).astype(np.float32).astype(np.float64).tolist(),
+                          response_logprobs=(-rng.exponential(1.0, tokens)).astype(np.float32).tolist(),
                           response_versions=list(versions), state=SampleState.PARTIAL, num_segments=segments)
                    for _ in range(group_size)]
         groups.append(RolloutGroup(group_id=f"g{g}", prompt=prompt, samples=samples, start_version=40))
@@ -242,7 +241,8 @@ def main() -> None:
               ("save", "save_unpickle", "rank 0: unpickle"), ("save", "save_rank0_write", "rank 0: write"),
               ("save", "save", "SAVE, critical path"),
               ("resume", "resume_rank0_read", "rank 0: read"), ("resume", "resume_pickle", "rank 0: pickle"),
-              ("resume", "resume_unpickle", "driver: unpickle"), ("resume", "resume_driver", "driver: until it answers"),
+              ("resume", "resume_unpickle", "driver: unpickle"),
+              ("resume", "resume_driver", "driver: until it answers"),
               ("resume", "resume", "RESUME, critical path"), ("resume", "resume_background", "driver: background")]
     print(f"{'values':>34}" + "".join(f"{r['values']:>20.3g}" for r in rows))
     for _, key, label in phases:

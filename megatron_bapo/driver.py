@@ -130,33 +130,33 @@ class Driver:
                 self.dataset.load_state_dict(state["data"])
                 manager.check_state_dict(state["rollout"])
                 tokens = TokenFile.open(state, checkpoint)  # the buffers' token file fits its descriptor
-            except (ValueError, KeyError, TypeError, OSError) as exc:  # a checkpoint written before run records
+            except (ValueError, KeyError, TypeError, OSError) as exc:  # before run records; a token file unfit
                 raise CheckpointError(f"cannot resume from {checkpoint}: {exc}. {run_record.WAY_OUT}") from exc
             # The buffers' lists are rebuilt (~20 ns a value) while the actor loads; start_rollout waits for them.
-            self._restoring = in_background(lambda: self._restore(state, tokens))
+            self._restoring = in_background(lambda: self._restore(state, tokens, checkpoint))
         # Resumed: drop the steps after the checkpoint (they are redone). Started over in a used
         # directory: drop the earlier run's metrics, as its samples.jsonl is, or curves would mix.
         self.writer = MetricsWriter(self.output_dir / "tb", purge_step=step + 1 if state else 0)
         self.ledger = SampleLedger(self.output_dir / "samples.jsonl", resume_step=step if state else None)
 
-    def _restore(self, state: dict[str, Any], tokens: Optional[TokenFile]) -> None:
+    def _restore(self, state: dict[str, Any], tokens: Optional[TokenFile], checkpoint: Optional[Path]) -> None:
         """The partial-rollout buffer, the rounds produced ahead and the sampler's step, from `state`
         (its token lists in `tokens`' file, or plain lists in a checkpoint from before that file)."""
-        with gc_paused():
-            state = tokens.load() if tokens is not None else state
-            self.producer.manager.load_state_dict(state["rollout"])
-            self.producer.load_state_dict(state.get("rounds", {}))
-            self.sampler.load_state_dict(state.get("sampling", {}),
-                                         legacy_unrecorded=state.get("rounds", {}).get("unrecorded", []))
+        try:
+            with gc_paused():
+                state = tokens.load() if tokens is not None else state
+                self.producer.manager.load_state_dict(state["rollout"])
+                self.producer.load_state_dict(state.get("rounds", {}))
+                self.sampler.load_state_dict(state.get("sampling", {}),
+                                             legacy_unrecorded=state.get("rounds", {}).get("unrecorded", []))
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            raise CheckpointError(f"cannot resume from {checkpoint}: {exc}. {run_record.WAY_OUT}") from exc
 
     def _restored(self) -> None:
         """Wait for the rollout state `start` restores in the background (its error, if any, raised here)."""
         restoring, self._restoring = self._restoring, None
         if restoring is not None:
-            try:
-                restoring.result()
-            except (ValueError, KeyError, TypeError, OSError) as exc:
-                raise CheckpointError(f"cannot resume the rollout state: {exc}. {run_record.WAY_OUT}") from exc
+            restoring.result()
 
     def _preflight(self) -> None:
         """What would otherwise fail only after the model loads (minutes on a cluster): paths and the

@@ -24,8 +24,9 @@ metrics `log` was given since the previous call (no round trip of their own). Te
 broadcasts rank 0's gathered tensors to the servers itself; the pool stays the one owner of the
 servers. A checkpoint's rollout state does not cross it either: the child writes the buffers' token
 ids, log-probs and versions into the checkpoint directory as flat arrays and reads them back at
-resume (`rollout.state_tokens`); the pipe carries the small tree that refers to them. The child's log records come back over a queue and go through rank 0's own loggers (the
-log file, the console lines, above the progress bar). `begin_stop` (the SIGTERM handler) signals
+resume (`rollout.state_tokens`); the pipe carries the small tree that refers to them. The child's
+log records come back over a queue and go through rank 0's own loggers (the log file, the console
+lines, above the progress bar). `begin_stop` (the SIGTERM handler) signals
 the child instead of writing to the pipe, which a call may be using: the child's call in progress
 is interrupted as rank 0's own would be, and each later call to a server is one short attempt.
 The child dies with rank 0 (PR_SET_PDEATHSIG), and its built-in servers with it (`parent_watch`).

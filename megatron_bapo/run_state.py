@@ -2,9 +2,13 @@
 
     <output_dir>/checkpoints/step_000010/actor/          megatron dist checkpoint (Actor.save_checkpoint)
     <output_dir>/checkpoints/step_000010/trainer.json    step, policy version, data position,
-                                                         partial-rollout buffer, RNG, config
-    <output_dir>/checkpoints/step_000010/trainer_arrays.bin  the buffer's token ids, log-probs and
-                                                         versions, binary (`state_io`)
+                                                         partial-rollout buffer's structure, RNG, config
+    <output_dir>/checkpoints/step_000010/rollout_tokens.bin  the buffers' token ids, log-probs and
+                                                         versions as flat arrays, written by the driver
+                                                         (in its own process or not) before trainer.json
+                                                         (`rollout.state_tokens`)
+    <output_dir>/checkpoints/step_000010/trainer_arrays.bin  trainer.json's other long numeric lists,
+                                                         binary (`state_io`; older checkpoints: the buffer's)
     <output_dir>/checkpoints/step_000010/manifest.json   path, size and sha256 of every other file in
                                                          the step directory (actor/ included); written last
     <output_dir>/checkpoints/latest                      name of the newest checkpoint written

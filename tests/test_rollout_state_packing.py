@@ -33,9 +33,9 @@ def _groups(logprob=lambda i, j: -((7 * i + j) % 97) / 8.0) -> list[RolloutGroup
     -inf log-probs, a token id past int32 (that field goes int64), a finished sample with a reward."""
     samples = [
         Sample(prompt_ids=[5, 6, 7]),
-        Sample(prompt_ids=[5, 6, 7], response_ids=list(range(300)), response_logprobs=[logprob(1, j) for j in range(300)],
-               response_versions=[3] * 100 + [4] * 200, state=SampleState.PARTIAL, num_segments=2,
-               routed_experts=bytes(range(256)) * 3, routed_width=2),
+        Sample(prompt_ids=[5, 6, 7], response_ids=list(range(300)),
+               response_logprobs=[logprob(1, j) for j in range(300)], response_versions=[3] * 100 + [4] * 200,
+               state=SampleState.PARTIAL, num_segments=2, routed_experts=bytes(range(256)) * 3, routed_width=2),
         Sample(prompt_ids=[5, 6, 7], response_ids=[9, 10, 2**40], response_logprobs=[-0.0, -math.inf, -1.5],
                response_versions=[2, 2, 3], state=SampleState.COMPLETED, reward=1.0,
                finish_reason={"type": "stop", "matched": 1}),
@@ -48,7 +48,8 @@ def _groups(logprob=lambda i, j: -((7 * i + j) % 97) / 8.0) -> list[RolloutGroup
                          samples=[Sample(prompt_ids=[8], response_ids=[1] * 20, response_logprobs=[-0.5] * 20,
                                          response_versions=[NO_VERSION] * 20, state=SampleState.ABORTED,
                                          agent=AgentState(tool_spans=[[0, 20]])),
-                                  Sample(prompt_ids=[8]), Sample(prompt_ids=[8], state=SampleState.FAILED, error="400")],
+                                  Sample(prompt_ids=[8]),
+                                  Sample(prompt_ids=[8], state=SampleState.FAILED, error="400")],
                          start_version=3)]
 
 
@@ -261,8 +262,8 @@ def test_no_per_token_list_crosses_the_driver_process_pipe(through_the_driver_pr
 
 def test_a_resumed_driver_process_saves_the_buffer_it_was_given(through_the_driver_process):
     """The second driver process, resumed from the first's checkpoint, checkpoints the same state
-    (its run record names its own directory): the same tree and the same token file, byte for byte (ids, log-probs bit for bit, versions,
-    states), holding both responses of the round sampled ahead."""
+    (its run record names its own directory): the same tree and the same token file, byte for byte
+    (ids, log-probs bit for bit, versions, states), holding both responses of the round sampled ahead."""
     from megatron_bapo.rollout.state_tokens import TOKENS_FILE, TokenFile
 
     ckpt, saved, ckpt_again, again, _ = through_the_driver_process

@@ -46,17 +46,18 @@ REF = "__tokens__"
 FORMAT = 1
 ALIGN = 64
 _SAMPLE_KEYS = frozenset({"prompt_ids", "response_ids", "response_logprobs", "response_versions", "state"})
-_PROMPT_KEYS = frozenset({"prompt_ids", "answer", "index", "metadata"})
+_PROMPT_KEYS = frozenset({"prompt_ids", "answer", "index"})
 _SAMPLE_FIELDS = frozenset({"prompt_ids", "response_ids", "response_logprobs", "response_versions", "routed_experts"})
 _FLOATS = frozenset({"response_logprobs"})
 _BYTES = frozenset({"routed_experts"})
 
 
 def _fields_of(node: dict) -> frozenset:
+    """The packable fields of a `Sample.to_dict` or `Prompt.to_dict` dict (none of any other dict)."""
     keys = node.keys()
     if _SAMPLE_KEYS <= keys:
         return _SAMPLE_FIELDS
-    if keys == _PROMPT_KEYS:
+    if _PROMPT_KEYS <= keys:
         return frozenset({"prompt_ids"})
     return frozenset()
 
@@ -86,8 +87,8 @@ def _chunks(field: str, values: list) -> list:
     if field in _FLOATS:
         wide = [np.frombuffer(array.array("d", v), dtype=np.float64) for v in values]
         narrow = [w.astype(np.float32) for w in wide]
-        exact = all(np.array_equal(n.astype(np.float64).view(np.uint64), w.view(np.uint64))
-                    for n, w in zip(narrow, wide))
+        # Equal values round-trip bit for bit (the cast keeps a zero's sign); a NaN is never equal: float64.
+        exact = all(np.array_equal(n, w) for n, w in zip(narrow, wide))
         return narrow if exact else wide
     for code in ("i", "q"):  # array's "i" is C int: 32 bits on every target
         try:
@@ -179,19 +180,21 @@ class _Writer:
         self.layout[field] = [dtype.str, self.offset - count * dtype.itemsize, count]
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        done = False
         try:
             if self._sync is not None:
                 self._sync.result()
             if kind is None:
                 self.file.flush()
                 os.fsync(self.file.fileno())
+                done = True
         finally:
             self._pool.shutdown()
             self.file.close()
-        if kind is None:
-            os.replace(self.tmp, self.path)
-        else:
-            self.tmp.unlink(missing_ok=True)
+            if done:
+                os.replace(self.tmp, self.path)
+            else:  # a failed write (a full disk) leaves no part file behind
+                self.tmp.unlink(missing_ok=True)
 
 
 class TokenFile:
