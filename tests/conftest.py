@@ -1,6 +1,6 @@
 """Shared test setup.
 
-Imports torch (and megatron-core when installed) once in the parent so forked multi-rank workers
+Imports torch (and megatron-core when installed) once in the parent (and, through `dist_preload`, in the fork server multi-rank workers start from) so they
 start fast, installs the CPU compatibility layer when CUDA is absent, and skips `gpu` tests
 without CUDA.
 """

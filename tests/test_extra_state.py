@@ -127,12 +127,16 @@ def _missing_weight(rank, world_size, hf_dir, converted, broken):
     return True
 
 
-def test_checkpoint_without_extra_state_loads_into_a_te_like_actor_and_back(run_dist, tmp_path):
+def _convert(rank, world_size, hf_dir, converted):
     from megatron_bapo.convert.offline import hf_to_megatron
 
+    hf_to_megatron(hf_dir, converted)
+
+
+def test_checkpoint_without_extra_state_loads_into_a_te_like_actor_and_back(run_dist, tmp_path):
     hf_dir = make_hf_model("qwen2_tied", tmp_path / "hf", seed=5)
     converted, te_ckpt = tmp_path / "converted", tmp_path / "te_ckpt"
-    run_dist(lambda r, w: hf_to_megatron(hf_dir, converted) and None, 1, timeout=120)
+    run_dist(_convert, 1, hf_dir, converted, timeout=120)
 
     res = run_dist(_converted_into_te_like, 1, hf_dir, converted, te_ckpt, timeout=120)[0]
     assert res["same_weights"] and res["untouched"]
