@@ -46,7 +46,7 @@ MODEL_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
 (`vocab_size` is the padded one)."""
 LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "dp")
 MACHINE_KEYS = ("cpu_model", "cpu_vendor", "torch_cpu_capability", "torch_version")
-"""`machine_record()` fields whose change a resume notes (they change the numbers; the core count does not)."""
+"""`machine_record()` fields whose change a resume notes: the CPU kind and torch's kernels."""
 WAY_OUT = ("put the setting(s) back to resume, or start over from model.hf_path with --no-resume "
            "(trainer.resume=false) or a new trainer.output_dir")
 
