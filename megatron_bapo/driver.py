@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import time
 from pathlib import Path
@@ -48,6 +47,7 @@ from megatron_bapo.rollout.batch import mask_stale_tokens
 from megatron_bapo.rollout.pool import ServerPool
 from megatron_bapo.rollout.state_tokens import TokenFile, gc_paused, in_background, snapshot
 from megatron_bapo.rollout.types import live_lists
+from megatron_bapo.sample_ledger import SampleLedger
 from megatron_bapo.sync.export import NullSink
 
 logger = logging.getLogger(__name__)
@@ -399,29 +399,3 @@ class Follower:
 
     def close(self) -> None:
         return None
-
-
-class SampleLedger:
-    """`samples.jsonl`: per step, the prompts drawn, the groups trained and the groups dropped for equal
-    rewards (`rollout.dynamic_sampling`) (rank 0).
-
-    Lets a user (and the kill-and-resume test) check that no prompt is lost or trained twice across
-    restarts: a resumed run first drops the killed run's lines after its checkpoint. With rollout
-    ahead of training, a round's prompts are recorded when the step that trains it takes it.
-    """
-
-    def __init__(self, path: Path, resume_step: Optional[int]) -> None:
-        self.path = path
-        if resume_step is not None and path.exists():
-            kept = [ln for ln in path.read_text(encoding="utf-8").splitlines()
-                    if ln.strip() and json.loads(ln)["step"] <= resume_step]
-            path.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
-        elif resume_step is None and path.exists():
-            path.unlink()
-
-    def record(self, step: int, prompts: list[Any], groups: list[Any], dropped: list[Any] = ()) -> None:
-        line = {"step": step, "drawn": [p.index for p in prompts],
-                "trained": [[g.group_id, g.prompt.index] for g in groups],
-                "dropped": [[g.group_id, g.prompt.index] for g in dropped]}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")

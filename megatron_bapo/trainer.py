@@ -263,7 +263,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Actor (every rank), rank 0's trainer state, every rank hashes its own files, rank 0 writes the
-        merged manifest and `latest` and deletes old checkpoints in the background. A filesystem error
+        merged manifest and `latest` and deletes old checkpoints in the background. The driver writes
+        the rollout token file on a thread from `state_dict` on; rank 0 waits for it (and its sha256)
+        right before the manifest (`Driver.state_files`), while the others wait there. A filesystem error
         (a full disk) removes the partial save and stops the run with one line naming the path, the
         bytes free and the checkpoint that is kept (`run_state.save_failure`)."""
         ckpt = run_state.checkpoint_dir(self.output_dir, self.step)
@@ -288,8 +290,8 @@ class Trainer:
             raise run_state.CheckpointError(failed)
         # Every rank hashes the files it wrote (in parallel, from its own page cache); rank 0 merges.
         try:
-            own: Any = run_state.hash_own_files(ckpt, dist.get_rank(self.cpu_group), dist.get_world_size(self.cpu_group),
-                                                skip=frozenset({TOKENS_FILE}))
+            own: Any = run_state.hash_own_files(ckpt, dist.get_rank(self.cpu_group),  # the driver hashes its file
+                                                dist.get_world_size(self.cpu_group), skip=frozenset({TOKENS_FILE}))
         except OSError as exc:
             own = f"rank {dist.get_rank(self.cpu_group)} could not hash its files: {exc}"
         parts: list = [None] * dist.get_world_size(self.cpu_group)
