@@ -9,10 +9,14 @@ values, versions one per segment of `--segments`). What crosses between it and r
 `DriverProcess._call` sends it (`Connection.send`: `ForkingPickler.dumps` then `send_bytes`; recv:
 `recv_bytes` then `loads`), over a real `multiprocessing` pipe:
 
-- save: the peer takes the state as `Driver.state_dict` does (the three `state_dict`s; with this
-  tree's `rollout.state_tokens`, the token file written into the checkpoint directory), it crosses
-  the pipe, rank 0 writes it (`run_state.write_trainer_state`: trainer.json and its side file).
-  Every rank waits for all of it.
+- save: the peer takes the state as `Driver.state_dict` does (the three `state_dict`s; with
+  `rollout.state_tokens`, the token file written into the checkpoint directory), it crosses the
+  pipe, rank 0 writes it (`run_state.write_trainer_state`: trainer.json and its side file). Every
+  rank waits for all of it. With `state_tokens.snapshot` the peer converts the lists to arrays
+  before it answers and writes the file on a thread; rank 0 then waits for the file where the
+  trainer does, right before the manifest ("rank 0: waits for the file"). Here rank 0 has nothing
+  to do meanwhile, so that wait is the whole write: the worst case (in a job rank 0 hashes its
+  share of the actor's files first).
 - resume: rank 0 reads the state (`run_state.load_trainer_state`), it crosses the pipe, the peer
   restores the three objects. With `state_tokens` the peer only checks the token file before it
   answers (`Driver.start`); the lists are rebuilt on a thread while the actor loads (`background`),
@@ -49,6 +53,11 @@ try:
     from megatron_bapo.rollout.state_tokens import TokenFile, gc_paused, save_tokens
 except ImportError:  # b74de61: the lists cross the pipe
     TokenFile = gc_paused = save_tokens = None
+try:  # the snapshot on the path, the file written on the driver's thread (rank 0 waits before the manifest)
+    from megatron_bapo.rollout.state_tokens import snapshot
+    from megatron_bapo.rollout.types import live_lists
+except ImportError:  # 949a309: converted and written before state_dict returns
+    snapshot = live_lists = None
 
 
 def _objects(num_samples: int, tokens: int, group_size: int, prompt_tokens: int, segments: int,
@@ -96,11 +105,18 @@ def _state_dict(manager: Any, producer: Any, sampler: Any, ckpt: Path) -> dict:
     return save_tokens(state, ckpt) if save_tokens is not None else state
 
 
-def _driver_state(manager: Any, producer: Any, sampler: Any, ckpt: Path) -> dict:
+def _driver_state(manager: Any, producer: Any, sampler: Any, ckpt: Path) -> tuple[dict, Any]:
+    """(the tree, the Future of the token file's write or None): as `Driver.state_dict(wait=False)`."""
     if gc_paused is None:  # b74de61
-        return _state_dict(manager, producer, sampler, ckpt)
-    with gc_paused():  # as Driver.state_dict
-        return _state_dict(manager, producer, sampler, ckpt)
+        return _state_dict(manager, producer, sampler, ckpt), None
+    if snapshot is None:  # 949a309
+        with gc_paused():
+            return _state_dict(manager, producer, sampler, ckpt), None
+    with gc_paused(), live_lists():
+        snap = snapshot({"step": 10, "version": 10, "data": {"format": 1, "epoch": 0, "position": 64},
+                         "rollout": manager.state_dict(), "rounds": producer.state_dict(),
+                         "sampling": sampler.state_dict(), "run": {}})
+    return snap.tree, snap.start(ckpt)
 
 
 class _Clock:
@@ -146,11 +162,17 @@ def _peer(conn: Any, args: tuple, ckpt: str) -> None:
     conn.send("ready")
     conn.recv()
     with clock("save_driver"):
-        state = _driver_state(manager, producer, sampler, Path(ckpt))
+        state, writing = _driver_state(manager, producer, sampler, Path(ckpt))
+        started = time.perf_counter()
     with clock("save_pickle"):
         buf = ForkingPickler.dumps(("ok", state, 0.0))  # Connection.send: dumps, then send_bytes
     conn.send_bytes(buf)
     del state, buf
+    if writing is not None:  # rank 0 asks for the file's manifest entry (Driver.state_files)
+        assert conn.recv() == "files"
+        entry = writing.result()
+        clock.times["save_background_s"] = time.perf_counter() - started
+        conn.send(entry)
     fresh = _objects(0, 0, args[2], 1, 1, 0.0)
     data = conn.recv_bytes()  # Connection.recv: recv_bytes, then loads
     with clock("resume_unpickle"):
@@ -192,6 +214,10 @@ def measure(num_samples: int, tokens: int, *, group_size: int = 16, prompt_token
             del data
             with clock("save_rank0_write"):
                 run_state.write_trainer_state(ckpt, state)
+            with clock("save_wait"):  # right before the manifest; here rank 0 has nothing else to do
+                if snapshot is not None:
+                    here.send("files")
+                    out["token_file_entry"] = here.recv()
         out["disk_bytes"] = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
         del state
         with clock("resume"):
@@ -209,7 +235,7 @@ def measure(num_samples: int, tokens: int, *, group_size: int = 16, prompt_token
         if peer.is_alive():
             peer.kill()
         shutil.rmtree(root, ignore_errors=True)
-    t = {**clock.times, **peer_times}
+    t = {"save_background_s": 0.0, **clock.times, **peer_times}  # 0: no file written on a thread
     out.update(t)
     out["save_cpu"] = t["save_driver_cpu"] + t["save_pickle_cpu"] + t["save_unpickle_cpu"] + t["save_rank0_write_cpu"]
     out["resume_cpu"] = (t["resume_rank0_read_cpu"] + t["resume_pickle_cpu"] + t["resume_unpickle_cpu"]
@@ -239,19 +265,22 @@ def main() -> None:
           f"(wall / CPU seconds; values = token ids + log-probs + versions, prompts' ids not counted)")
     phases = [("save", "save_driver", "driver: state_dict"), ("save", "save_pickle", "driver: pickle"),
               ("save", "save_unpickle", "rank 0: unpickle"), ("save", "save_rank0_write", "rank 0: write"),
-              ("save", "save", "SAVE, critical path"),
+              ("save", "save_wait", "rank 0: waits for the file"), ("save", "save", "SAVE, critical path"),
               ("resume", "resume_rank0_read", "rank 0: read"), ("resume", "resume_pickle", "rank 0: pickle"),
               ("resume", "resume_unpickle", "driver: unpickle"),
               ("resume", "resume_driver", "driver: until it answers"),
               ("resume", "resume", "RESUME, critical path"), ("resume", "resume_background", "driver: background")]
     print(f"{'values':>34}" + "".join(f"{r['values']:>20.3g}" for r in rows))
     for _, key, label in phases:
-        print(f"{label:>34}" + "".join(f"{r[key + '_s']:>9.3f} /{r[key + '_cpu']:>9.3f}" for r in rows))
+        print(f"{label:>34}" + "".join(f"{r.get(key + '_s', 0.0):>9.3f} /{r.get(key + '_cpu', 0.0):>9.3f}"
+                                       for r in rows))
+    print(f"{'driver: file written (thread)':>34}" + "".join(f"{r['save_background_s']:>9.3f}{'':>11}" for r in rows))
     for key in ("save_pipe_bytes", "resume_pipe_bytes", "disk_bytes"):
         print(f"{key:>34}" + "".join(f"{r[key]:>20,}" for r in rows))
     print(f"{'restored == saved':>34}" + "".join(f"{str(r['round_trip_equal']):>20}" for r in rows))
     print(f"EXTRAPOLATED to the recipe's {RECIPE_VALUES:.0e} values (least squares over the sizes above):")
-    for key in ("save_s", "save_cpu", "resume_s", "resume_cpu", "resume_background_cpu", "save_pipe_bytes",
+    for key in ("save_s", "save_cpu", "save_driver_s", "save_wait_s", "save_background_s", "resume_s", "resume_cpu",
+                "resume_background_cpu", "save_pipe_bytes",
                 "resume_pipe_bytes", "disk_bytes"):
         per, fixed = _fit(rows, key)
         if key.endswith("bytes"):

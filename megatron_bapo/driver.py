@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import time
 from pathlib import Path
@@ -46,7 +45,9 @@ from megatron_bapo.metrics import MetricsWriter
 from megatron_bapo.run_state import CheckpointError, checkpoint_dir
 from megatron_bapo.rollout.batch import mask_stale_tokens
 from megatron_bapo.rollout.pool import ServerPool
-from megatron_bapo.rollout.state_tokens import TokenFile, gc_paused, in_background, save_tokens
+from megatron_bapo.rollout.state_tokens import TokenFile, gc_paused, in_background, snapshot
+from megatron_bapo.rollout.types import live_lists
+from megatron_bapo.sample_ledger import SampleLedger
 from megatron_bapo.sync.export import NullSink
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class Driver:
         """What this run's checkpoints record about it (`run_record`), saved as trainer.json's "run"."""
         self._restoring: Any = None
         """The resumed rollout state being rebuilt in the background (a Future), until start_rollout."""
+        self._writing: Any = None
+        """The token file `state_dict(wait=False)` writes on a thread (a Future), until `state_files`."""
 
     # ------------------------------------------------------------------ setup / teardown
     def start(self, state: dict[str, Any], *, step: int, version: int, hf_config: Any, world_size: int,
@@ -233,6 +236,7 @@ class Driver:
     def close(self) -> None:
         """Stop producing, leave the weight group, stop the servers (by PID), close the writer."""
         self.begin_stop()
+        self._drop_unfinished_write()
         if self.producer is not None:
             self.producer.stop()
         if self.agent is not None:
@@ -320,22 +324,45 @@ class Driver:
         self.writer.log(step, metrics)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, step: int, version: int, ckpt_dir: Optional[Path] = None) -> dict[str, Any]:
+    def state_dict(self, step: int, version: int, ckpt_dir: Optional[Path] = None, *,
+                   wait: bool = True) -> dict[str, Any]:
         """Everything rank 0 needs to resume: taken with the producer paused between rounds; the round in
         flight (rollout ahead of training) is aborted with its tokens kept, not drained. The buffers'
-        token lists are written here, as flat arrays, into `ckpt_dir` (default: the step's checkpoint
-        directory, where the trainer writes trainer.json next: `rollout.state_tokens`); what is
-        returned (and crosses the driver process's pipe) is a small JSON-safe tree."""
+        token lists become flat arrays under the pause (`state_tokens.snapshot`), and the rollout
+        resumes; the arrays go to `ckpt_dir` (default: the step's checkpoint directory, where the
+        trainer writes trainer.json next) before this returns, or with `wait=False` on a thread, and
+        `state_files` waits for them (the trainer calls it right before the manifest). What is returned
+        (and crosses the driver process's pipe) is a small JSON-safe tree."""
         self._restored()
+        self._drop_unfinished_write()
         self.producer.pause(abort=True)
         try:
-            with gc_paused():
-                state = {"step": step, "version": version, "data": self.dataset.state_dict(),
-                         "rollout": self.producer.manager.state_dict(), "rounds": self.producer.state_dict(),
-                         "sampling": self.sampler.state_dict(), "run": self.record}
-                return save_tokens(state, ckpt_dir or checkpoint_dir(self.output_dir, step))
+            with gc_paused(), live_lists():
+                snap = snapshot({"step": step, "version": version, "data": self.dataset.state_dict(),
+                                 "rollout": self.producer.manager.state_dict(), "rounds": self.producer.state_dict(),
+                                 "sampling": self.sampler.state_dict(), "run": self.record})
         finally:
             self.producer.resume()
+        target = ckpt_dir or checkpoint_dir(self.output_dir, step)
+        if wait:
+            snap.write(target)
+        else:
+            self._writing = snap.start(target)
+        return snap.tree
+
+    def state_files(self) -> dict[str, tuple[int, str]]:
+        """The files the last `state_dict(wait=False)` writes, once written, fsync'd and renamed:
+        `{path relative to its checkpoint: (size, sha256)}` for the manifest ({} when none is pending).
+        Raises the write's error (OSError: a full disk)."""
+        writing, self._writing = self._writing, None
+        return writing.result() if writing is not None else {}
+
+    def _drop_unfinished_write(self) -> None:
+        """A write whose checkpoint failed before `state_files` (the trainer removed it) ends first."""
+        try:
+            self.state_files()
+        except OSError as exc:
+            logger.warning("the previous checkpoint's rollout token file was not written: %s", exc)
 
 
 def _routing_shape(hf_path: str) -> tuple[int, int]:
@@ -372,29 +399,3 @@ class Follower:
 
     def close(self) -> None:
         return None
-
-
-class SampleLedger:
-    """`samples.jsonl`: per step, the prompts drawn, the groups trained and the groups dropped for equal
-    rewards (`rollout.dynamic_sampling`) (rank 0).
-
-    Lets a user (and the kill-and-resume test) check that no prompt is lost or trained twice across
-    restarts: a resumed run first drops the killed run's lines after its checkpoint. With rollout
-    ahead of training, a round's prompts are recorded when the step that trains it takes it.
-    """
-
-    def __init__(self, path: Path, resume_step: Optional[int]) -> None:
-        self.path = path
-        if resume_step is not None and path.exists():
-            kept = [ln for ln in path.read_text(encoding="utf-8").splitlines()
-                    if ln.strip() and json.loads(ln)["step"] <= resume_step]
-            path.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
-        elif resume_step is None and path.exists():
-            path.unlink()
-
-    def record(self, step: int, prompts: list[Any], groups: list[Any], dropped: list[Any] = ()) -> None:
-        line = {"step": step, "drawn": [p.index for p in prompts],
-                "trained": [[g.group_id, g.prompt.index] for g in groups],
-                "dropped": [[g.group_id, g.prompt.index] for g in dropped]}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")

@@ -189,10 +189,15 @@ class DriverProcess:
         """Carried by the next call (the child writes them before it), not a round trip of its own."""
         self._outbox.append((step, metrics))
 
-    def state_dict(self, step: int, version: int, ckpt_dir: Optional[Path] = None) -> dict[str, Any]:
+    def state_dict(self, step: int, version: int, ckpt_dir: Optional[Path] = None, *,
+                   wait: bool = True) -> dict[str, Any]:
         """The child writes the buffers' token lists into the checkpoint itself (`rollout.state_tokens`):
-        only the small tree crosses the pipe, as at `start` when resuming."""
-        return self._call("state_dict", step, version, ckpt_dir)
+        only the small tree crosses the pipe, as at `start` when resuming. `wait=False`: on its thread
+        (`Driver.state_dict`); `state_files` waits for it."""
+        return self._call("state_dict", step, version, ckpt_dir, wait=wait)
+
+    def state_files(self) -> dict[str, tuple[int, str]]:
+        return self._call("state_files")
 
     def begin_stop(self) -> None:
         """From the SIGTERM handler: the child stops its call in progress and makes each later call short."""
@@ -323,7 +328,8 @@ class _Child:
 
 
 _OWN_CALLS = frozenset({"ship_to", "next_batch", "update_begin", "sink_send", "sink_load", "update_end"})
-_DRIVER_CALLS = frozenset({"start", "servers_hold_other_weights", "start_rollout", "evaluate", "state_dict"})
+_DRIVER_CALLS = frozenset({"start", "servers_hold_other_weights", "start_rollout", "evaluate", "state_dict",
+                           "state_files"})
 
 
 def _serve(conn: Any, logs: Any, level: int, config: Any, output_dir: Path, device: Optional[int]) -> None:

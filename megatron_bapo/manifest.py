@@ -83,9 +83,10 @@ def owner_of(rel: str, world: int) -> int:
     return int(m.group(1) or m.group(2)) % max(world, 1)
 
 
-def hash_own_files(ckpt_dir: Path, rank: int, world: int) -> Hashed:
-    """The files of `ckpt_dir` that `rank` owns (`owner_of`), hashed."""
-    mine = [rel for rel in checkpoint_files(ckpt_dir) if owner_of(rel, world) == rank]
+def hash_own_files(ckpt_dir: Path, rank: int, world: int, skip: frozenset = frozenset()) -> Hashed:
+    """The files of `ckpt_dir` that `rank` owns (`owner_of`), hashed; not those in `skip` (hashed by
+    their writer as it wrote them: the driver's rollout token file)."""
+    mine = [rel for rel in checkpoint_files(ckpt_dir) if owner_of(rel, world) == rank and rel not in skip]
     return hash_files(Path(ckpt_dir), mine)
 
 

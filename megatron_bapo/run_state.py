@@ -4,9 +4,9 @@
     <output_dir>/checkpoints/step_000010/trainer.json    step, policy version, data position,
                                                          partial-rollout buffer's structure, RNG, config
     <output_dir>/checkpoints/step_000010/rollout_tokens.bin  the buffers' token ids, log-probs and
-                                                         versions as flat arrays, written by the driver
-                                                         (in its own process or not) before trainer.json
-                                                         (`rollout.state_tokens`)
+                                                         versions as flat arrays, written and hashed by
+                                                         the driver (in its own process or not) on a
+                                                         thread, before the manifest (`rollout.state_tokens`)
     <output_dir>/checkpoints/step_000010/trainer_arrays.bin  trainer.json's other long numeric lists,
                                                          binary (`state_io`; older checkpoints: the buffer's)
     <output_dir>/checkpoints/step_000010/manifest.json   path, size and sha256 of every other file in

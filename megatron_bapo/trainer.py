@@ -38,6 +38,7 @@ from megatron_bapo.config_io import ConfigError
 from megatron_bapo.logs import CONSOLE
 from megatron_bapo.models.parallel import init_distributed_env
 from megatron_bapo.progress import ProgressWatchdog, why_no_update
+from megatron_bapo.rollout.state_tokens import TOKENS_FILE
 
 logger = logging.getLogger(__name__)
 # Rank 0's console lines (megatron_bapo.logs): the compact step line, eval results, resume.
@@ -262,7 +263,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Actor (every rank), rank 0's trainer state, every rank hashes its own files, rank 0 writes the
-        merged manifest and `latest` and deletes old checkpoints in the background. A filesystem error
+        merged manifest and `latest` and deletes old checkpoints in the background. The driver writes
+        the rollout token file on a thread from `state_dict` on; rank 0 waits for it (and its sha256)
+        right before the manifest (`Driver.state_files`), while the others wait there. A filesystem error
         (a full disk) removes the partial save and stops the run with one line naming the path, the
         bytes free and the checkpoint that is kept (`run_state.save_failure`)."""
         ckpt = run_state.checkpoint_dir(self.output_dir, self.step)
@@ -275,17 +278,20 @@ class Trainer:
                 raise
             raise error from exc
         failed = None
-        if self.driver.leads:
+        if self.driver.leads:  # the driver writes the rollout token file on a thread meanwhile (state_tokens)
             try:
-                run_state.write_trainer_state(ckpt, self.driver.state_dict(self.step, self.version))
+                run_state.write_trainer_state(ckpt, self.driver.state_dict(self.step, self.version, wait=False))
             except OSError as exc:
+                with contextlib.suppress(OSError):
+                    self.driver.state_files()  # its write ends before the partial save is removed
                 failed = str(run_state.save_failure(ckpt, exc, kept=self.checkpoint))
         failed = self._broadcast(failed)  # every rank stops, or none
         if failed is not None:
             raise run_state.CheckpointError(failed)
         # Every rank hashes the files it wrote (in parallel, from its own page cache); rank 0 merges.
         try:
-            own: Any = run_state.hash_own_files(ckpt, dist.get_rank(self.cpu_group), dist.get_world_size(self.cpu_group))
+            own: Any = run_state.hash_own_files(ckpt, dist.get_rank(self.cpu_group),  # the driver hashes its file
+                                                dist.get_world_size(self.cpu_group), skip=frozenset({TOKENS_FILE}))
         except OSError as exc:
             own = f"rank {dist.get_rank(self.cpu_group)} could not hash its files: {exc}"
         parts: list = [None] * dist.get_world_size(self.cpu_group)
@@ -293,9 +299,11 @@ class Trainer:
         if self.driver.leads:
             errors = [p for p in parts if isinstance(p, str)]
             try:
+                # The wait: the driver's token file, written, fsync'd and hashed since state_dict returned.
+                written = self.driver.state_files()
                 if errors:
                     raise OSError(errors[0])
-                run_state.finish_checkpoint(ckpt, {rel: h for part in parts for rel, h in part.items()})
+                run_state.finish_checkpoint(ckpt, {**{rel: h for part in parts for rel, h in part.items()}, **written})
             except OSError as exc:
                 failed = str(run_state.save_failure(ckpt, exc, kept=self.checkpoint))
             else:

@@ -138,6 +138,34 @@ def test_a_state_written_before_the_token_file_still_loads(tmp_path):
     assert [RolloutGroup.from_dict(g).to_dict() for g in state["rollout"]["groups"]] == [g.to_dict() for g in groups]
 
 
+def test_a_save_killed_while_the_driver_writes_its_token_file_is_skipped(tmp_path, caplog):
+    """The driver writes the token file on a thread after `state_dict` returns, and rank 0 writes the
+    manifest only once it has the file's entry (`Driver.state_files`). A process killed in between
+    leaves trainer.json next to a part file (or none) and no manifest: `latest_checkpoint` skips that
+    step for the previous one. Completed, the entry the writer hashed from memory is the file's sha256,
+    and that checkpoint verifies (the token file hashed once, by its writer)."""
+    from megatron_bapo.manifest import hash_file, hash_own_files
+    from megatron_bapo.rollout.state_tokens import TOKENS_FILE, snapshot
+
+    state = _state(_groups())
+    older, newest = run_state.checkpoint_dir(tmp_path, 2), run_state.checkpoint_dir(tmp_path, 4)
+    for ckpt in (older, newest):
+        snap = snapshot(state)
+        ckpt.mkdir(parents=True)  # as the actor's save leaves it
+        run_state.write_trainer_state(ckpt, snap.tree)
+        if ckpt == newest:  # killed while writing: the part file as the writer leaves it, no manifest
+            (ckpt / (TOKENS_FILE + ".tmp")).write_bytes(snap.arrays["response_ids"].tobytes()[:64])
+            break
+        own = hash_own_files(ckpt, 0, 1, skip=frozenset({TOKENS_FILE}))
+        assert TOKENS_FILE not in own
+        written = snap.start(ckpt).result()
+        assert written == {TOKENS_FILE: hash_file(ckpt / TOKENS_FILE)}
+        run_state.finish_checkpoint(ckpt, {**own, **written})
+    assert run_state.latest_checkpoint(tmp_path) == older
+    assert any(str(newest) in r.getMessage() and "incomplete" in r.getMessage() for r in caplog.records)
+    assert run_state.verify_checkpoint(older) is None
+
+
 # ---------------------------------------------------------------------- through a real driver process
 class _ListSizes(pickle._Pickler):
     """Pickles as the pipe does and records the length of every list it serializes."""
@@ -231,7 +259,8 @@ def through_the_driver_process(tiny_hf_dir, tmp_path_factory):
                 ckpt = run_state.checkpoint_dir(root / "first", 2)
                 ckpt.mkdir(parents=True)  # as the actor's save leaves it before the trainer asks the driver
                 PHASE[0] = "state_dict"
-                saved = first.state_dict(2, 0)
+                saved = first.state_dict(2, 0, wait=False)  # as the trainer: the file written on a thread
+                written = first.state_files()
                 PHASE[0] = "setup"
             finally:
                 first.close()
@@ -247,14 +276,14 @@ def through_the_driver_process(tiny_hf_dir, tmp_path_factory):
                 second.close()
     finally:
         connection._ForkingPickler = real
-    return ckpt, saved, run_state.checkpoint_dir(root / "second", 2), again, dict(CROSSED)
+    return ckpt, saved, run_state.checkpoint_dir(root / "second", 2), again, dict(CROSSED), written
 
 
 def test_no_per_token_list_crosses_the_driver_process_pipe(through_the_driver_process):
     """Checkpointing a driver process whose buffer holds responses of 12,000 tokens, and resuming one
     from it: no list of more than 10^4 elements is pickled across its pipe (b74de61 pickled every
     response's ids, log-probs and versions: 0.28 us a value, ~100 s per save and resume at 32B)."""
-    *_, crossed = through_the_driver_process
+    *_, crossed, _ = through_the_driver_process
     longest = {call: max(crossed.get(call) or [-1]) for call in ("state_dict", "start")}
     assert min(longest.values()) >= 0, f"nothing crossed the pipe during a call: {longest}"
     assert max(longest.values()) <= MAX_LIST, f"the longest list pickled across the pipe, per call: {longest}"
@@ -266,7 +295,7 @@ def test_a_resumed_driver_process_saves_the_buffer_it_was_given(through_the_driv
     (ids, log-probs bit for bit, versions, states), holding both responses of the round sampled ahead."""
     from megatron_bapo.rollout.state_tokens import TOKENS_FILE, TokenFile
 
-    ckpt, saved, ckpt_again, again, _ = through_the_driver_process
+    ckpt, saved, ckpt_again, again, _, _ = through_the_driver_process
     assert {k: v for k, v in again.items() if k != "run"} == {k: v for k, v in saved.items() if k != "run"}
     assert (ckpt_again / TOKENS_FILE).read_bytes() == (ckpt / TOKENS_FILE).read_bytes()
     state = TokenFile.open(saved, ckpt).load()
@@ -274,3 +303,13 @@ def test_a_resumed_driver_process_saves_the_buffer_it_was_given(through_the_driv
     assert [len(s.response_ids) for s in samples] == [RESPONSE_TOKENS] * 2
     assert all(s.state is SampleState.PARTIAL and set(s.response_versions) == {0} for s in samples)
     assert len(state["rounds"]["ready"]) == 1  # the round produced ahead, handed over first on resume
+
+
+def test_the_driver_process_hands_over_the_manifest_entry_of_the_file_it_wrote(through_the_driver_process):
+    """`state_dict(wait=False)` then `state_files()` through the pipe: the entry (size, sha256) the
+    driver process hashed while writing is the file's, so rank 0 never reads the file back to hash it."""
+    from megatron_bapo.manifest import hash_file
+    from megatron_bapo.rollout.state_tokens import TOKENS_FILE
+
+    ckpt, *_, written = through_the_driver_process
+    assert written == {TOKENS_FILE: hash_file(ckpt / TOKENS_FILE)}

@@ -11,12 +11,32 @@ placeholders, and everything that trains or judges staleness reads `model_mask` 
 from __future__ import annotations
 
 import base64
+import contextlib
+import contextvars
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 NO_VERSION = -1
 """The version of a token no policy produced (a tool's result; off the response in a batch)."""
+
+_LIVE = contextvars.ContextVar("rollout_to_dict_live_lists", default=False)
+
+
+@contextlib.contextmanager
+def live_lists() -> Iterator[None]:
+    """`to_dict` hands out the objects' own token lists instead of copies, for a caller that reads
+    them at once while nothing appends (a checkpoint's snapshot, `state_tokens.snapshot`, under the
+    producer's pause): a copy of every list costs ~3-6 ns a value, seconds at 32B."""
+    token = _LIVE.set(True)
+    try:
+        yield
+    finally:
+        _LIVE.reset(token)
+
+
+def _tokens(values: list) -> list:
+    return values if _LIVE.get() else list(values)
 
 
 @dataclass
@@ -31,7 +51,7 @@ class Prompt:
     """Other columns of the row (JSON-safe), passed through to the reward function's caller."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prompt_ids": list(self.prompt_ids), "answer": self.answer, "index": self.index,
+        return {"prompt_ids": _tokens(self.prompt_ids), "answer": self.answer, "index": self.index,
                 "metadata": dict(self.metadata)}
 
     @classmethod
@@ -181,9 +201,9 @@ class Sample:
             self.agent = AgentState()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prompt_ids": list(self.prompt_ids), "response_ids": list(self.response_ids),
-                "response_logprobs": list(self.response_logprobs),
-                "response_versions": list(self.response_versions), "state": self.state.value,
+        return {"prompt_ids": _tokens(self.prompt_ids), "response_ids": _tokens(self.response_ids),
+                "response_logprobs": _tokens(self.response_logprobs),
+                "response_versions": _tokens(self.response_versions), "state": self.state.value,
                 "finish_reason": self.finish_reason, "num_segments": self.num_segments,
                 "num_regenerations": self.num_regenerations, "error": self.error, "reward": self.reward,
                 "routed_experts": base64.b64encode(self.routed_experts).decode("ascii"),
