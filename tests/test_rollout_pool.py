@@ -114,3 +114,25 @@ def test_builtin_server_fields_reach_the_servers(tiny_hf_dir, tmp_path):
         assert [info["decode_delay_ms"] for info in infos.values()] == [3.5]
     finally:
         pool.close()
+
+
+def test_a_request_on_a_dead_server_fails_at_once_and_the_pool_restarts_it(tiny_hf_dir, tmp_path):
+    """CI: a server SIGKILLed as the next round began stalled the run ~6 minutes: each request retried
+    the dead URL with backoff while holding its concurrency slot, so the round failed (and the pool
+    could restart the server) only after requests / concurrency x the whole backoff. Now the first
+    failure on a dead process, with no other server healthy, ends the request with the exit code."""
+    rollout = RolloutConfig(client=RolloutClientConfig(health_timeout_s=120, max_retries=5, backoff_s=0.5))
+    pool = ServerPool(rollout, model_path=str(tiny_hf_dir), seed=0, log_dir=tmp_path / "logs",
+                      state_path=tmp_path / "servers.json")
+    pool.start()
+    try:
+        url = pool.servers[0].url
+        _kill(pool)
+        with pytest.raises(RolloutError) as err:
+            pool.client.generate([1, 2, 3], {"max_new_tokens": 2})
+        assert f"/generate on {url} failed: its server process died (exit code -9)" in str(err.value)
+        assert pool.client.stats["num_retries"] == 0
+        assert pool.retry_after_restart(lambda: pool.client.generate([1, 2, 3], {"max_new_tokens": 2}))
+        assert pool.restarts == [1] and pool.servers[0].alive()
+    finally:
+        pool.close()

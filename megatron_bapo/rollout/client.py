@@ -36,7 +36,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Awaitable, Optional, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 import aiohttp
 
@@ -102,6 +102,12 @@ class RolloutClient(ControlMixin, concurrency.ConcurrencyMixin):
         self._rid_url: dict[str, str] = {}
         self._abort_epoch = 0
         self._workers: Optional[list[str]] = list(config.urls) or None
+        self.process_exit: Optional[Callable[[str], Optional[int]]] = None
+        """The exit code of the process behind a URL once it died, None while it runs (set by the
+        `ServerPool` that started the servers; None for external ones). A request that fails on a dead
+        process while no other server is healthy is not retried: every retry would fail the same way,
+        each holding its concurrency slot through its backoff, so a round of many requests took
+        minutes to fail before the pool could restart the server."""
         self.stopping = False
         """The run is ending (SIGTERM, an error, or its end): no retries, every control call one short
         attempt (`control.CLEANUP_TIMEOUT_S`), so teardown never waits on a dead server. Set from
@@ -300,6 +306,10 @@ class RolloutClient(ControlMixin, concurrency.ConcurrencyMixin):
                 except (aiohttp.ClientError, asyncio.TimeoutError, ProtocolError, OSError) as exc:
                     last_error = exc
                     self._mark_unhealthy(url, repr(exc))
+                    code = self.process_exit(url) if self.process_exit is not None else None
+                    if code is not None and not self.healthy_urls():
+                        raise RolloutError(f"/generate on {url} failed: its server process died (exit code {code}) "
+                                           f"and no other server is healthy; {exc!r}") from exc
                     logger.debug("generate on %s failed (attempt %d/%d): %r", url, attempt + 1,
                                  self.config.max_retries + 1, exc)
                     if isinstance(exc, asyncio.TimeoutError):

@@ -150,8 +150,17 @@ class ServerPool(WeightChecks):
             client_cfg = dataclasses.replace(client_cfg, urls=[s.url for s in self.servers])
             logger.info("%s rollout servers: %s", self.rollout.engine, ", ".join(client_cfg.urls))
         self.client = RolloutClient(client_cfg, vocab_size=self.vocab_size, weight_version=self.weight_version)
+        self.client.process_exit = self._exit_code_of  # a round fails at once on a dead server: restart it
         self.client.wait_healthy()
         return self.client
+
+    def _exit_code_of(self, url: str) -> Optional[int]:
+        """The exit code of the server this pool started at `url` once it died; None while it runs
+        (or for a URL it did not start). Called from the client's event-loop thread."""
+        for server in list(self.servers):
+            if server.url == url and not server.alive():
+                return server.proc.returncode
+        return None
 
     def _start_server(self, i: int, port: Optional[int] = None) -> Any:
         """Start server `i` of `rollout.engine` (on `port`: a restart keeps its URL) and wait for its
