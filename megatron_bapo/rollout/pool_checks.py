@@ -45,9 +45,8 @@ class WeightChecks:
             raise WeightCheckError(what)
         for url, why in failures.items():
             self._check_restarts[url] = version
-            dead = url in own and not self.servers[own[url]].alive()
-            if dead:  # a crash the check found first: restarted and counted as any dead server is
-                code = self.servers[own[url]].proc.returncode
+            code = self._exit_code_of(url)
+            if code is not None:  # a crash the check found first: restarted and counted as any dead server is
                 self._restart(own[url], f"died with exit code {code}", f"died again (exit code {code})")
                 continue
             logger.warning("server %s failed the weight check of version %d: %s", url, version, why)
