@@ -109,6 +109,20 @@ def _stacks_of(proc: mp.Process, path: Path) -> str:
     return "\n".join(parts)
 
 
+def _kill_family(pid: int) -> None:
+    """SIGKILL a hung rank and whatever it forked (a writer process would outlive it otherwise)."""
+    try:
+        root = psutil.Process(pid)
+        family = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return
+    for proc in family:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
 def _context() -> mp.context.BaseContext:
     """The forkserver context, its server started (once per process) with `dist_preload` imported.
     Python 3.11's server ignores the sys.path it is given: PYTHONPATH names this directory for it."""
@@ -166,9 +180,7 @@ def run_dist(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
             for p in procs:
                 p.join(timeout=grace)
                 if p.is_alive():
-                    for child in psutil.Process(p.pid).children(recursive=True) if psutil.pid_exists(p.pid) else []:
-                        child.kill()
-                    p.kill()
+                    _kill_family(p.pid)
                     p.join()
     if errors:
         raise AssertionError("\n".join(errors))
