@@ -59,8 +59,9 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
     )
     torch.set_num_threads(1)
     try:
+        store = torch.distributed.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=120))
         torch.distributed.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
         )
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()
@@ -150,7 +151,12 @@ def run_dist(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
     """
     ctx = _context()
     queue = ctx.Queue()
-    port = free_port()
+    # The rendezvous store lives here, on a port the OS picks and this process keeps until every rank
+    # is done: a port looked up free and bound later by rank 0 could be taken in between by another
+    # xdist worker's processes (EADDRINUSE).
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, True, timeout=timedelta(seconds=120),
+                                       wait_for_workers=False)
+    port = store.port
     with tempfile.TemporaryDirectory(prefix="run_dist_") as tmp:
         stacks = [Path(tmp) / f"rank{r}.txt" for r in range(world_size)]
         procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, str(stacks[r]),

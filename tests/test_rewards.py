@@ -360,3 +360,20 @@ def test_plugin_reward_that_prints_does_not_break_its_worker(tmp_path, monkeypat
     monkeypatch.setenv("PYTHONPATH", str(tmp_path) + ":" + ":".join(sys.path))
     scores = score_batch("chatty_reward_mod:reward", ["1", "2", "1"], ["1", "1", "1"], timeout_s=20.0)
     assert [r.reason for r in scores.results] == ["scored"] * 3 and scores.rewards == [1.0, 0.0, 1.0]
+
+
+def test_a_worker_whose_trainer_is_gone_exits_without_a_traceback():
+    """When the reading end of a worker's reply pipe is gone (the trainer was killed), the worker
+    exits 0 and silently; before, its BrokenPipeError traceback landed on the trainer's terminal
+    after the run's one-line error."""
+    import json
+    import subprocess
+
+    worker = subprocess.Popen([sys.executable, "-m", "megatron_bapo.rewards.sandbox", "megatron_bapo.rewards.math:math_reward"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert worker.stdout.readline() == "ready\n"
+    worker.stdout.close()  # the trainer is gone
+    worker.stdin.write(json.dumps({"response": "\\boxed{1}", "answer": "1"}) + "\n")
+    worker.stdin.close()
+    assert worker.wait(timeout=60) == 0
+    assert worker.stderr.read() == ""

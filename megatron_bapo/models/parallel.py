@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -177,11 +177,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_ONE_RANK_STORE: Any = None  # the rendezvous store of a plain `python ...` run, held from the start
+
+
 def init_distributed_env() -> None:
-    """Let a plain `python ...` run as a one-rank job (torchrun/srun set these themselves)."""
+    """Let a plain `python ...` run as a one-rank job (torchrun/srun set these themselves).
+
+    Its rendezvous store listens on a port the OS picks and keeps it: a port looked up free and bound
+    later can be taken in between by any other process on the machine (parallel test workers, the
+    rollout servers' client sockets), and the run then dies at start with EADDRINUSE.
+    """
+    global _ONE_RANK_STORE
     if "RANK" in os.environ:
         return
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    _ONE_RANK_STORE = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(minutes=5))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_ONE_RANK_STORE.port))
 
 
 def initialize_model_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> ParallelGroups:
@@ -201,7 +212,12 @@ def initialize_model_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> Paral
         backend = cfg.resolved_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timedelta(minutes=cfg.timeout_minutes))
+        timeout = timedelta(minutes=cfg.timeout_minutes)
+        store = _ONE_RANK_STORE if os.environ.get("MASTER_PORT") == str(getattr(_ONE_RANK_STORE, "port", None)) else None
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     world_size = dist.get_world_size()
     cfg.dp_size(world_size)  # validates divisibility
     if ps.model_parallel_is_initialized():

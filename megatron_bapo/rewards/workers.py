@@ -160,11 +160,16 @@ def serve(handle, out=None) -> None:
     """Worker side: 'ready', then `handle(request) -> reply` for every stdin line, the replies on
     `out` (`reply_channel()` when not given)."""
     out = out if out is not None else reply_channel()
-    out.write("ready\n")
-    out.flush()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        reply: Any = handle(json.loads(line))
-        out.write(json.dumps(reply) + "\n")
+    try:
+        out.write("ready\n")
         out.flush()
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            reply: Any = handle(json.loads(line))
+            out.write(json.dumps(reply) + "\n")
+            out.flush()
+    except BrokenPipeError:
+        # The trainer that reads the replies is gone (killed, or stopped with the run): nothing is
+        # left to answer, and a traceback would land on the trainer's terminal after its last line.
+        os._exit(0)
