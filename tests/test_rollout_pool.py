@@ -5,6 +5,7 @@ passing for a later version (its tokens would be labelled stale and regenerated 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -116,11 +117,12 @@ def test_builtin_server_fields_reach_the_servers(tiny_hf_dir, tmp_path):
         pool.close()
 
 
-def test_a_request_on_a_dead_server_fails_at_once_and_the_pool_restarts_it(tiny_hf_dir, tmp_path):
+def test_a_request_on_a_dead_server_fails_at_once_and_the_pool_restarts_it(tiny_hf_dir, tmp_path, caplog):
     """CI: a server SIGKILLed as the next round began stalled the run ~6 minutes: each request retried
     the dead URL with backoff while holding its concurrency slot, so the round failed (and the pool
     could restart the server) only after requests / concurrency x the whole backoff. Now the first
     failure on a dead process, with no other server healthy, ends the request with the exit code."""
+    caplog.set_level(logging.DEBUG, logger="megatron_bapo.rollout.concurrency")
     rollout = RolloutConfig(client=RolloutClientConfig(health_timeout_s=120, max_retries=5, backoff_s=0.5))
     pool = ServerPool(rollout, model_path=str(tiny_hf_dir), seed=0, log_dir=tmp_path / "logs",
                       state_path=tmp_path / "servers.json")
@@ -132,6 +134,12 @@ def test_a_request_on_a_dead_server_fails_at_once_and_the_pool_restarts_it(tiny_
             pool.client.generate([1, 2, 3], {"max_new_tokens": 2})
         assert f"/generate on {url} failed: its server process died (exit code -9)" in str(err.value)
         assert pool.client.stats["num_retries"] == 0
+        # Control calls are not retried on a dead process either (each took ~14 s of backoff before).
+        with pytest.raises(RolloutError, match=f"{url}/flush_cache failed: its server process died .exit code -9."):
+            pool.client.flush_cache()
+        # Nor the /server_info the request sized its concurrency by first (a client used alone).
+        assert any("cannot size the concurrency" in r.getMessage() and "server process died" in r.getMessage()
+                   for r in caplog.records)
         assert pool.retry_after_restart(lambda: pool.client.generate([1, 2, 3], {"max_new_tokens": 2}))
         assert pool.restarts == [1] and pool.servers[0].alive()
     finally:

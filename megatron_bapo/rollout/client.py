@@ -306,7 +306,7 @@ class RolloutClient(ControlMixin, concurrency.ConcurrencyMixin):
                 except (aiohttp.ClientError, asyncio.TimeoutError, ProtocolError, OSError) as exc:
                     last_error = exc
                     self._mark_unhealthy(url, repr(exc))
-                    code = self.process_exit(url) if self.process_exit is not None else None
+                    code = self._exit_code(url)
                     if code is not None and not self.healthy_urls():
                         raise RolloutError(f"/generate on {url} failed: its server process died (exit code {code}) "
                                            f"and no other server is healthy; {exc!r}") from exc

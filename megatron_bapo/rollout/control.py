@@ -34,10 +34,16 @@ most this long: SLURM kills 30 s after SIGTERM, and a dead server must not hold 
 
 class ControlMixin:
     """Needs `config`, `_session()`, `run()`, `_backoff()`, `_abort_epoch`, `_rid_url`, `_workers`,
-    `max_weight_version`, `stopping`, and the pause state `_pause_epoch`, `_held`, `_held_waiters`, `_sent`,
-    `_cut`."""
+    `max_weight_version`, `stopping`, `process_exit`, and the pause state `_pause_epoch`, `_held`,
+    `_held_waiters`, `_sent`, `_cut`."""
 
     # ------------------------------------------------------------------ one request, one policy
+    def _exit_code(self, url: str) -> Optional[int]:
+        """The exit code of the process behind `url` once it died (`process_exit`, set by the pool
+        that started it); None while it runs, and for a server nobody here started."""
+        process_exit = getattr(self, "process_exit", None)
+        return process_exit(url) if process_exit is not None else None
+
     async def _request(self, method: str, url: str, path: str, body: Optional[dict] = None,
                        timeout: Optional[float] = None, *, retry: bool = True) -> tuple[int, str]:
         """(status, text) of one control request; transport failures and 5xx retried when `retry`."""
@@ -56,6 +62,10 @@ class ControlMixin:
                     status, text = resp.status, await resp.text()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 last = exc
+                code = self._exit_code(url)
+                if code is not None:  # a retry would fail the same way until the pool restarts it
+                    raise RolloutError(f"{url}{path} failed: its server process died (exit code {code}); "
+                                       f"{exc!r}") from exc
                 continue
             if status < 500:
                 return status, text
