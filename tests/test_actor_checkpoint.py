@@ -51,6 +51,7 @@ def _resumed(rank, world_size, ckpt):
     return full_params(actor), metrics, torch.rand(3), actor.num_updates, meta
 
 
+@pytest.mark.slow
 def test_save_load_continue_equals_never_stopping(run_dist, tmp_path):
     """DP=2, Adam with warmup+cosine: a fresh process group resumes bit-for-bit."""
     ckpt = str(tmp_path / "ckpt")

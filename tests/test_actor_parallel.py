@@ -94,17 +94,18 @@ def test_packed_equals_padded_including_gradients(run_dist, reference, hf4):
 
 @pytest.mark.parametrize(
     "layout, world_size",
-    [
-        ({"cp": 2}, 2),
-        ({"cp": 2, "packing": True}, 2),
-        ({"tp": 2, "sp": True}, 2),
-        ({"tp": 2, "sp": True, "packing": True}, 2),
+    [  # the inner loop (-m "not slow") keeps TP x CP x packing on 4 ranks; the full suite runs every layout
+        pytest.param({"cp": 2}, 2, marks=pytest.mark.slow),
+        pytest.param({"cp": 2, "packing": True}, 2, marks=pytest.mark.slow),
+        pytest.param({"tp": 2, "sp": True}, 2, marks=pytest.mark.slow),
+        pytest.param({"tp": 2, "sp": True, "packing": True}, 2, marks=pytest.mark.slow),
         ({"tp": 2, "cp": 2, "packing": True}, 4),
-        ({"tp": 2, "cp": 2, "sp": True}, 4),
-        ({"pp": 2, "cp": 2, "packing": True, "budget": 64}, 4),
-        ({"pp": 2, "vpp": 2, "packing": True, "budget": 64}, 2),  # interleaved: one padded shape per pass
-        ({"pp": 2, "vpp": 2, "cp": 2, "packing": True, "budget": 64}, 4),  # interleaved x CP: global seq_length
-        ({"cp": 2, "packing": True, "budget": 64}, 4),  # DP 2 x CP 2
+        pytest.param({"tp": 2, "cp": 2, "sp": True}, 4, marks=pytest.mark.slow),
+        pytest.param({"pp": 2, "cp": 2, "packing": True, "budget": 64}, 4, marks=pytest.mark.slow),
+        # interleaved: one padded shape per pass; interleaved x CP: global seq_length; DP 2 x CP 2
+        pytest.param({"pp": 2, "vpp": 2, "packing": True, "budget": 64}, 2, marks=pytest.mark.slow),
+        pytest.param({"pp": 2, "vpp": 2, "cp": 2, "packing": True, "budget": 64}, 4, marks=pytest.mark.slow),
+        pytest.param({"cp": 2, "packing": True, "budget": 64}, 4, marks=pytest.mark.slow),
     ],
     ids=lambda v: "-".join(f"{k}{int(x) if isinstance(x, bool) else x}" for k, x in v.items()) if isinstance(v, dict) else str(v),
 )

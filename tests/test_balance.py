@@ -112,6 +112,7 @@ def _t(x):
     return None if x is None else torch.from_numpy(np.asarray(x, dtype=np.float64))
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=batches(), dppo=dppos, bapo=bapos, adaptive=st.booleans())
 def test_dppo_search_equals_literal_loop(batch, dppo, bapo, adaptive):

@@ -158,6 +158,7 @@ def _ref_weights(lpb, tw, cfg):
     return w if tw is None else w * np.asarray(tw, dtype=np.float64)
 
 
+@pytest.mark.slow
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=batches(), cfg=configs)
 def test_search_equals_literal_algorithm(batch, cfg):

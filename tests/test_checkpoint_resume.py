@@ -190,6 +190,7 @@ def test_resume_checkpoint_agrees_on_every_rank(run, run_dist_module):
     assert errors[0] == errors[1] and errors[0].startswith("CheckpointError: no usable checkpoint")
 
 
+@pytest.mark.slow
 def test_train_cli_with_every_checkpoint_damaged_exits_2_with_one_error_line(run, tiny_hf_dir, tmp_path):
     """`python -m megatron_bapo.train --resume` on damaged checkpoints: exit code 2, one
     `checkpoint error:` line naming the directories to remove, no traceback."""

@@ -143,6 +143,7 @@ def test_no_short_round_follows_a_checkpoint(server, tiny_hf_dir):
         assert whole(client.run(again.produce(0)))
 
 
+@pytest.mark.slow
 def test_concurrency_follows_the_servers_kv_cache(tiny_hf_dir, tmp_path, caplog):
     """A server with 400 tokens of KV (`--max-total-tokens`), requests of a 4-token prompt and up to
     64 tokens in 16-token segments (4 + 16 x 5 / 2 = 44 KV tokens at a segment's end, on average):

@@ -23,6 +23,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_cli_both_directions_force_and_errors(tmp_path):
     hf_dir = make_hf_model("llama", tmp_path / "hf", seed=6)
     mdir, back = tmp_path / "mg", tmp_path / "back"

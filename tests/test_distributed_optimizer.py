@@ -197,6 +197,7 @@ def _pp_resumed(rank, world_size, ckpt):
     return {"loaded": loaded, "metrics": metrics, "params": full_params(actor)}
 
 
+@pytest.mark.slow
 def test_tp2_pp2_tied_embeddings_resume_equals_never_stopping(run_dist, tmp_path):
     """Every rank's weights and Adam moments come back exactly as saved, and the next step equals the
     uninterrupted run's (it did not: the first stage's embedding came back one row over)."""

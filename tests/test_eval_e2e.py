@@ -239,6 +239,7 @@ def test_sampler_fails_over_from_a_dead_server(model_dir, server_url, eval_data,
     assert metrics["eval/tiny/num_samples"] == 6
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_SERVER, reason="megatron_bapo.server.launch (server engineer) not landed yet")
 @pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
 def test_evaluate_checkpoint_starts_builtin_server(model_dir, eval_data, tmp_path, architecture):

@@ -133,6 +133,7 @@ def _convert(rank, world_size, hf_dir, converted):
     hf_to_megatron(hf_dir, converted)
 
 
+@pytest.mark.slow
 def test_checkpoint_without_extra_state_loads_into_a_te_like_actor_and_back(run_dist, tmp_path):
     hf_dir = make_hf_model("qwen2_tied", tmp_path / "hf", seed=5)
     converted, te_ckpt = tmp_path / "converted", tmp_path / "te_ckpt"

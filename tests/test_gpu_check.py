@@ -41,6 +41,7 @@ def _run(tmp_path: Path, *args: str, wheels: Path) -> subprocess.CompletedProces
                           env=env, cwd=ROOT, timeout=600)
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_end_to_end_at_tiny_sizes(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()

@@ -64,9 +64,9 @@ def reference(request, hf4):
 
 @pytest.mark.parametrize(
     "layout, world_size",
-    [({"tp": 2, "sp": True, "packing": True}, 2),
-     ({"pp": 2, "cp": 2, "packing": True, "budget": 64}, 4),
-     ({"cp": 2, "packing": True, "budget": 64}, 4)],  # DP 2 x CP 2: the balance's group has 4 ranks
+    [pytest.param({"tp": 2, "sp": True, "packing": True}, 2, marks=pytest.mark.slow),
+     pytest.param({"pp": 2, "cp": 2, "packing": True, "budget": 64}, 4, marks=pytest.mark.slow),
+     ({"cp": 2, "packing": True, "budget": 64}, 4)],  # DP 2 x CP 2: the balance's group has 4 ranks (inner loop)
     ids=["tp2-sp-packed", "pp2-cp2-packed", "dp2-cp2-packed"],
 )
 def test_loss_layout_equals_single_process(run_dist, reference, hf4, layout, world_size):

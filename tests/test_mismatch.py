@@ -131,6 +131,7 @@ def _steps(rank, world_size, hf_dir, jobs):
     return results
 
 
+@pytest.mark.slow
 def test_first_update_mismatch_is_real_with_bf16_and_equals_an_independent_recomputation(run_dist, rollouts,
                                                                                           tiny_hf_dir):
     bf16, fp32 = rollouts["bfloat16"], rollouts["float32"]
@@ -184,6 +185,7 @@ def test_recompute_first_update_is_on_policy_even_with_the_bf16_server(run_dist,
     assert all(r[0]["metrics"] == results[0][0]["metrics"] for r in results)  # identical on every rank
 
 
+@pytest.mark.slow
 def test_recompute_with_seq_mis_under_pp2_cp2_equals_one_process(run_dist, rollouts, tiny_hf_dir):
     """Sequence masks need each sequence's log-weights summed over its CP chunks and packed
     micro-batches; two mini-batches x two epochs exercise the reused first search pass and the later

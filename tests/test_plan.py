@@ -100,6 +100,7 @@ def planned(tmp_path_factory):
     pool.shutdown(wait=True, cancel_futures=True)
 
 
+@pytest.mark.slow
 def test_32b_true_parameter_count_and_fit(planned):
     text = planned["32b"][0].result()
     assert text.returncode == 0, text.stderr

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_quickstart_script_summarizes_the_run_it_trained_where_output_dir_moved_it(tmp_path):
     """`trainer.output_dir=...` on the command line moves the run; the summary, the plot and the
     outputs listed must be that run's. The script used to summarize runs/tiny_bapo (an older run, or

@@ -188,7 +188,8 @@ MOE_METRICS = ("actor/loss", "actor/grad_norm", "actor/entropy", "actor/kl_k1", 
 
 @pytest.mark.parametrize(
     "layout, world_size",
-    [({"ep": 2}, 2), ({"tp": 2, "sp": True, "ep": 2}, 4), ({"tp": 2, "sp": True, "ep": 2, "etp": 1}, 4)],
+    [({"ep": 2}, 2), pytest.param({"tp": 2, "sp": True, "ep": 2}, 4, marks=pytest.mark.slow),
+     pytest.param({"tp": 2, "sp": True, "ep": 2, "etp": 1}, 4, marks=pytest.mark.slow)],
     ids=["ep2", "tp2-sp-ep2", "tp2-sp-ep2-etp1"],
 )
 def test_expert_parallel_equals_one_process(run_dist, moe_dir, moe_reference, layout, world_size):
@@ -210,6 +211,7 @@ def test_expert_parallel_equals_one_process(run_dist, moe_dir, moe_reference, la
     assert len(experts) == 2 * 8 * 3 and max(u.abs().max() for u in experts) > 1e-4  # experts were trained
 
 
+@pytest.mark.slow
 def test_replay_through_pipeline_stages_equals_one_process(run_dist, moe_dir):
     """PP 2 x EP 2: the scattered batch brings every stage its layers' recorded routing; the replayed
     forward, loss, update and `moe/*` metrics equal one process replaying the same routing."""
@@ -292,6 +294,7 @@ def _resume(rank, world_size, hf_dir, ckpt):
     return straight, hf_params(resumed)
 
 
+@pytest.mark.slow
 def test_ep2_distributed_optimizer_checkpoint_resumes_exactly(tmp_path, run_dist, moe_dir):
     """The chain of dense and expert distributed optimizers saves and loads every member's state:
     the step after a resume equals the uninterrupted one."""

@@ -69,6 +69,7 @@ def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
     return lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
+@pytest.mark.slow
 def test_partial_rollout_across_weight_updates_versions_and_logprobs(servers, checkpoints, tokenizer):
     from transformers import AutoModelForCausalLM
 
@@ -174,6 +175,7 @@ def fresh_servers(checkpoints):
         yield handles
 
 
+@pytest.mark.slow
 def test_seeded_requests_sample_the_same_whatever_the_order(fresh_servers, checkpoints, tokenizer):
     """PartialRolloutManager(seed=...): every segment carries its own sampling_seed, so the responses do
     not depend on which requests share a server batch or reach it first (nor on a restart)."""

@@ -52,6 +52,7 @@ def cluster(tiny_hf_dir, tmp_path_factory):
             w.stop()
 
 
+@pytest.mark.slow
 def test_generation_through_the_router_control_calls_to_each_worker(cluster, tiny_hf_dir, tmp_path):
     from megatron_bapo.rollout import (PartialRolloutConfig, PartialRolloutManager, Prompt, RolloutClient,
                                        RolloutClientConfig, SamplingConfig)

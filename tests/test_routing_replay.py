@@ -100,6 +100,7 @@ def test_server_returns_the_routing_of_every_computed_position(server, moe_hf):
     assert status == 200 and "routed_experts" not in plain["meta_info"]
 
 
+@pytest.mark.slow
 def test_without_the_launch_flag_the_field_is_ignored_as_by_sglang(moe_hf):
     from megatron_bapo.server.launch import start_server
 
@@ -178,6 +179,7 @@ def _replayed(rank, world_size, hf_dir, batch, replay):
     return used, {k: v for k, v in metrics.items() if k.startswith("moe/")}
 
 
+@pytest.mark.slow
 def test_replayed_routing_equals_the_servers_across_a_resumed_partial_rollout(server, moe_hf, moe_hf_b, run_dist):
     from megatron_bapo.rollout.batch import build_batch
 
@@ -224,6 +226,7 @@ def _train_with_replay(rank, world_size, hf_dir, recompute):
     return metrics, {k: v - before[k] for k, v in hf_params(actor).items()}
 
 
+@pytest.mark.slow
 def test_replay_under_full_recompute_trains_as_without(run_dist, moe_hf):
     """The backward recomputes every layer with the experts its forward used (several micro-batches)."""
     plain, full = (run_dist(_train_with_replay, 1, str(moe_hf), r, timeout=120)[0] for r in ("none", "full"))

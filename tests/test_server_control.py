@@ -420,6 +420,7 @@ def test_flush_while_paused_in_place_is_refused(server, tiny_hf_dir, other_ckpt)
     assert http(url + "/flush_cache", {})[0] == 200
 
 
+@pytest.mark.slow
 def test_sampling_seed_is_ignored_without_deterministic_inference(tiny_hf_dir):
     """SGLang honours `sampling_seed` only under --enable-deterministic-inference; the built-in server
     too, so a client cannot rely on seeds the real server would ignore."""

@@ -25,6 +25,7 @@ def health(url: str) -> int:
         return resp.status
 
 
+@pytest.mark.slow
 def test_launcher_stops_by_pid_and_reports_failed_start(tmp_path, tiny_hf_dir):
     handle = start_server(tiny_hf_dir, extra_args=["--num-threads", "1"], log_path=tmp_path / "log.txt")
     pid = handle.pid
@@ -38,6 +39,7 @@ def test_launcher_stops_by_pid_and_reports_failed_start(tmp_path, tiny_hf_dir):
         start_server(tmp_path, startup_timeout_s=120)
 
 
+@pytest.mark.slow
 def test_server_exits_when_its_launcher_is_killed(tmp_path, tiny_hf_dir):
     """A launcher killed with SIGKILL cannot stop its server: the server's parent watch does."""
     import signal

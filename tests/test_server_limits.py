@@ -131,6 +131,7 @@ def _content_length(data: bytes) -> int:
     return 1 << 30
 
 
+@pytest.mark.slow
 def test_disconnected_n_20000_request_does_not_stall_health(server):
     """The issue's request: n=20000 queued, then the client disconnects. Its 20000 aborts must be
     cheap: /health keeps answering within a second and the queue drains at once."""

@@ -149,6 +149,7 @@ def test_the_server_venv_is_complete_and_cpu_only(sglang_python):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_the_server_venv_takes_the_torch_native_path(sglang_python):
     """What SGLang's server imports at startup works there, on the project's stand-in and without AMX."""
     code = ("import json, sgl_kernel, torch, torchvision, torchvision.transforms, torchvision.extension as tv\n"

@@ -68,7 +68,7 @@ def _syncs(rank, world_size, weights, url, tmp):
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_trainers_hashes_equal_the_servers_for_disk_and_distributed_sync_at_tp1_and_tp2(
         run_dist, tiny_hf_dir, tmp_path, world_size):
     from megatron_bapo.server.launch import start_server
@@ -124,6 +124,7 @@ def _corrupt(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_a_server_that_fails_the_check_is_restarted_once_with_the_current_weights(served, tmp_path):
     """A corrupted copy on the server (the version's directory is right): the check fails, the pool
     restarts the server with the version's directory, the check passes, generation serves the version."""
@@ -137,6 +138,7 @@ def test_a_server_that_fails_the_check_is_restarted_once_with_the_current_weight
                                served.ref_logprobs([10, 43, 12], r.output_ids, path=served.model_b), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_wrong_weights_in_the_versions_own_files_stop_the_run_after_one_restart(served, tmp_path):
     """A wrong conversion written to disk: the actor's probe disagrees with the version's own files, so
     the restarted server fails again and the run stops in one line naming it, the KL and the version."""
@@ -163,6 +165,7 @@ def test_sync_verify_fields_are_checked_where_the_config_is_read():
             SyncConfig(**{field: value})
 
 
+@pytest.mark.slow
 def test_the_check_requests_conform_to_the_pinned_sglang(tiny_hf_dir, tmp_path):
     """The client's two requests of `sync.verify` (the probe's prefill, `/weights_checker`), recorded on
     their way to a server, pass `tools/sglang_conformance.py` (SGLang 0.5.23's own request classes);

@@ -121,6 +121,7 @@ def built(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return out, proc
 
 
+@pytest.mark.slow
 def test_make_tiny_cli_builds_and_refuses_to_overwrite(built):
     out, proc = built
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -172,6 +173,7 @@ def _without_timings(value):
     return value
 
 
+@pytest.mark.slow
 def test_building_the_tiny_assets_twice_gives_identical_files(built, tmp_path):
     """The quick start builds its own assets on a fresh clone: on one CPU kind the same command must
     give the same model (byte for byte) and data, or README numbers could not be reproduced (another

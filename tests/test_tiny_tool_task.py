@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from agent_helpers import make_tool_model, tokenizer
 from megatron_bapo.rewards import load_reward_fn
 from megatron_bapo.rollout.tool_calls import ToolCallFormat, encode_text, parse_tool_calls, render_results
@@ -56,6 +58,7 @@ def test_reward_grades_the_answer_after_the_last_tool_result():
     assert reward("<tool_call>{}</tool_call>", "6") == 0.0
 
 
+@pytest.mark.slow
 def test_in_process_agent_decode_runs_the_calculator_on_the_models_call(tmp_path):
     model_dir = make_tool_model(tmp_path / "m")
     from transformers import AutoModelForCausalLM
@@ -70,6 +73,7 @@ def test_in_process_agent_decode_runs_the_calculator_on_the_models_call(tmp_path
         assert result == calculator(**call.arguments)  # whatever expression the model wrote
 
 
+@pytest.mark.slow
 def test_make_tiny_cli_builds_the_tool_task(tmp_path):
     out = tmp_path / "tools"
     cmd = [sys.executable, str(REPO / "tools" / "make_tiny.py"), "--out", str(out), "--task", "tools",
