@@ -76,11 +76,31 @@ def _model_state_run(directory: Path, tp: int, pp: int, hf_config: dict, ep: int
     return cfg
 
 
+def _runs_wanted(request) -> set[str]:
+    """The runs of `planned` that the selected tests of this module read (`-m "not slow"` leaves
+    out the 32B count, whose meta builds alone take about a minute)."""
+    wanted: set[str] = set()
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        name = item.originalname
+        if name == "test_32b_true_parameter_count_and_fit":
+            wanted |= {"32b", "32b-no-recompute"}
+        elif name == "test_cli_exit_status_on_invalid_layout":
+            wanted.add("32b-tp3")
+        elif "recipe" in params:
+            wanted |= {params["recipe"], f"{params['recipe']}-8-gpus"}
+        elif "layout" in params:
+            wanted.add(params["layout"])
+    return wanted
+
+
 @pytest.fixture(scope="module")
-def planned(tmp_path_factory):
-    """The CLI runs of the large-model tests below, started together, two at a time (each builds a
-    model on the meta device in one Python thread: one core): {name: (future of the finished process,
-    its --json-out path or None)}. Each test reads its own."""
+def planned(tmp_path_factory, request):
+    """The CLI runs of the selected large-model tests below, started together, two at a time (each
+    builds a model on the meta device in one Python thread: one core): {name: (future of the finished
+    process, its --json-out path or None)}. Each test reads its own."""
     root = tmp_path_factory.mktemp("plans")
     big = ["--config", str(CFG_32B), "--hf-config", str(HF_32B), "--gpus", "64"]
     runs = {"32b": [*big, "--json-out", str(root / "32b.json")], "32b-no-recompute": [*big, "actor.recompute=none"],
@@ -92,6 +112,7 @@ def planned(tmp_path_factory):
             runs[f"{recipe}-8-gpus"] = [*files, "--gpus", "8", "--json"]
     for name, (tp, pp, hf_config, ep) in MODEL_STATE_LAYOUTS.items():
         runs[name] = ["--config", str(_model_state_run(root / name, tp, pp, hf_config, ep)), "--gpus", "2", "--json"]
+    runs = {name: args for name, args in runs.items() if name in _runs_wanted(request)}
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="plan")
     # The slowest (the 128-expert MoE builds) first, so that they do not run last and alone.
     order = sorted(runs, key=lambda name: "a3b" not in name)
@@ -114,7 +135,8 @@ def test_32b_true_parameter_count_and_fit(planned):
     assert no_recompute.returncode == 1, no_recompute.stdout  # the exit status follows actor.recompute
 
 
-@pytest.mark.parametrize("recipe", list(QWEN3_RECIPES))
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) if r == "qwen3-32b" else r
+                                    for r in QWEN3_RECIPES])  # 32B's meta build alone: ~35 s here
 def test_qwen3_recipes_count_the_hf_models_parameters_and_fit_as_configured(planned, recipe):
     """The planner's count (megatron-core meta build: q/k norms, head_dim 128 != hidden/heads) equals the HF
     model's own, and each recipe's layout fits with the recompute it sets (exit status 0)."""
