@@ -261,7 +261,7 @@ def through_the_driver_process(tiny_hf_dir, tmp_path_factory):
                 ckpt.mkdir(parents=True)  # as the actor's save leaves it before the trainer asks the driver
                 PHASE[0] = "state_dict"
                 saved = first.state_dict(2, 0, wait=False)  # as the trainer: the file written on a thread
-                written = first.state_files()
+                written = first.state_files(), first.state_files()  # asked again (an interrupted call): the same
                 PHASE[0] = "setup"
             finally:
                 first.close()
@@ -308,9 +308,10 @@ def test_a_resumed_driver_process_saves_the_buffer_it_was_given(through_the_driv
 
 def test_the_driver_process_hands_over_the_manifest_entry_of_the_file_it_wrote(through_the_driver_process):
     """`state_dict(wait=False)` then `state_files()` through the pipe: the entry (size, sha256) the
-    driver process hashed while writing is the file's, so rank 0 never reads the file back to hash it."""
+    driver process hashed while writing is the file's, so rank 0 never reads the file back to hash it;
+    asked again (the trainer's exit path after a call SIGTERM interrupted), the same entry."""
     from megatron_bapo.manifest import hash_file
     from megatron_bapo.rollout.state_tokens import TOKENS_FILE
 
-    ckpt, *_, written = through_the_driver_process
-    assert written == {TOKENS_FILE: hash_file(ckpt / TOKENS_FILE)}
+    ckpt, *_, (written, again) = through_the_driver_process
+    assert written == again == {TOKENS_FILE: hash_file(ckpt / TOKENS_FILE)}
