@@ -274,6 +274,7 @@ class Trainer:
                 if verify == "off" or not self._broadcast(resend):
                     break
         except ExportWriteError as exc:  # every rank raises it; a full disk during a save is handled alike
+            self.saves.complete_on_exit(self.driver)  # the previous step's save first: the line names the resume point
             where = run_state.resume_point(self.checkpoint, self.output_dir / "checkpoints")
             raise ExportWriteError(f"{exc}; {where}. Free disk space (or lower sync.keep_versions) and rerun "
                                    f"with --resume") from exc
