@@ -8,10 +8,11 @@
                                                       # writes the manifest and `latest`, prunes; every rank agrees
     saves.complete_on_exit(driver)                    # rank 0 alone, when the run ends otherwise (SIGTERM, an error)
 
-Why deferred: the driver's rollout token file (`rollout.state_tokens`: at 32B ~1.2 GB converted from
-~3x10^8 Python values, then written, hashed and fsync'd: ~17 s) was waited for before the manifest,
-inside the save, while every rank waited. Its values are read off the producer's pause now, so the
-file is ready long after the save would return. The manifest is the completion marker
+Why deferred: the driver's rollout token file (`rollout.state_tokens`: at 32B ~1.2 GB from ~3x10^8
+Python values, ~8 s to read them and ~3 s to write, hash and fsync, extrapolated in docs/cluster.md)
+was waited for before the manifest, inside the save, while every rank waited. Its values are read
+off the producer's pause now, while the next step trains, so the save returns at once and the file
+is written by the next step boundary (a step of the recipe takes minutes). The manifest is the completion marker
 (`run_state`): until it is written the checkpoint does not exist for resume (`run_state.latest_checkpoint`
 skips it as incomplete and takes the previous one), `latest` still names the previous one, and pruning
 (which runs only after the manifest) has deleted nothing. So a process killed in between loses the
