@@ -12,17 +12,21 @@ values, versions one per segment of `--segments`). What crosses between it and r
 - save: the peer takes the state as `Driver.state_dict` does (the three `state_dict`s; with
   `rollout.state_tokens`, the token file written into the checkpoint directory), it crosses the
   pipe, rank 0 writes it (`run_state.write_trainer_state`: trainer.json and its side file). Every
-  rank waits for all of it. With `state_tokens.snapshot` the peer converts the lists to arrays
-  before it answers and writes the file on a thread; rank 0 then waits for the file where the
-  trainer does, right before the manifest ("rank 0: waits for the file"). Here rank 0 has nothing
-  to do meanwhile, so that wait is the whole write: the worst case (in a job rank 0 hashes its
-  share of the actor's files first).
+  rank waits for all of it. With `state_tokens.snapshot` (835d065) the peer converts the lists to
+  arrays before it answers and writes the file on a thread; rank 0 hashes its files and then waits
+  for the file right before the manifest ("rank 0: waits for the file"). Here rank 0 has nothing
+  to do meanwhile, so that wait is the whole write (in a job rank 0 hashes its share of the
+  actor's files first). With the deferred completion (`checkpoint_save`) the snapshot reads no
+  value; the peer converts and writes on its thread ("values read", "file written") while the
+  next step trains, and rank 0 asks for the file at the next step boundary: the bench waits for
+  the write off the clock, then times that ask ("waits, file written") and the manifest. "SAVE, worst
+  case": a boundary that comes right when the save returns waits for all of the thread's work.
 - resume: rank 0 reads the state (`run_state.load_trainer_state`), it crosses the pipe, the peer
   restores the three objects. With `state_tokens` the peer only checks the token file before it
   answers (`Driver.start`); the lists are rebuilt on a thread while the actor loads (`background`),
   off the critical path. Before it (b74de61), all of it was on the path.
 
-Runs on any tree (it detects `state_tokens`), so the same file measures the base commit:
+Runs on any tree (it detects `state_tokens` and `checkpoint_save`), so the same file measures the base commits:
 
     python benchmarks/bench_rollout_state.py [--samples 64 256 1024] [--tokens 16384]
 
@@ -58,6 +62,10 @@ try:  # the snapshot on the path, the file written on the driver's thread (rank 
     from megatron_bapo.rollout.types import live_lists
 except ImportError:  # 949a309: converted and written before state_dict returns
     snapshot = live_lists = None
+try:  # the snapshot reads no value; converted and written on the thread; the manifest at the next step boundary
+    from megatron_bapo.checkpoint_save import CheckpointSaves as DEFERRED
+except ImportError:  # 835d065: converted under the pause; rank 0 waits for the file inside the save
+    DEFERRED = None
 
 
 def _objects(num_samples: int, tokens: int, group_size: int, prompt_tokens: int, segments: int,
@@ -116,7 +124,21 @@ def _driver_state(manager: Any, producer: Any, sampler: Any, ckpt: Path) -> tupl
         snap = snapshot({"step": 10, "version": 10, "data": {"format": 1, "epoch": 0, "position": 64},
                          "rollout": manager.state_dict(), "rounds": producer.state_dict(),
                          "sampling": sampler.state_dict(), "run": {}})
+    if callable(getattr(snap, "arrays", None)):  # the values are read on the thread: time that part of it
+        convert = snap.arrays
+
+        def timed() -> Any:
+            start = time.perf_counter()
+            arrays = convert()
+            THREAD_TIMES["save_convert_s"] = time.perf_counter() - start
+            return arrays
+
+        snap.arrays = timed
     return snap.tree, snap.start(ckpt)
+
+
+THREAD_TIMES: dict[str, float] = {}
+"""The driver's writer thread: seconds converting the values (where it reads them off the pause)."""
 
 
 class _Clock:
@@ -125,13 +147,23 @@ class _Clock:
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
+        self._started: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         wall, cpu = time.perf_counter(), time.process_time()
+        self._started[name] = wall
         yield
-        self.times[f"{name}_s"] = time.perf_counter() - wall
+        self.times[f"{name}_s"] = time.perf_counter() - self._started[name]
         self.times[f"{name}_cpu"] = time.process_time() - cpu
+
+    def elapsed(self, name: str) -> float:
+        """Wall seconds of the running phase `name` so far."""
+        return time.perf_counter() - self._started[name]
+
+    def restart(self, name: str) -> None:
+        """The running phase `name` counts from now (what came before is added back by the caller)."""
+        self._started[name] = time.perf_counter()
 
 
 def _restore(state: dict, ckpt: Path, objects: tuple, clock: _Clock) -> None:
@@ -168,11 +200,16 @@ def _peer(conn: Any, args: tuple, ckpt: str) -> None:
         buf = ForkingPickler.dumps(("ok", state, 0.0))  # Connection.send: dumps, then send_bytes
     conn.send_bytes(buf)
     del state, buf
+    if writing is not None and DEFERRED is not None:  # the step boundary comes after the file is written
+        writing.result()
+        clock.times["save_background_s"] = time.perf_counter() - started
+        conn.send("written")
     if writing is not None:  # rank 0 asks for the file's manifest entry (Driver.state_files)
         assert conn.recv() == "files"
         entry = writing.result()
-        clock.times["save_background_s"] = time.perf_counter() - started
+        clock.times.setdefault("save_background_s", time.perf_counter() - started)
         conn.send(entry)
+    clock.times.update(THREAD_TIMES)
     fresh = _objects(0, 0, args[2], 1, 1, 0.0)
     data = conn.recv_bytes()  # Connection.recv: recv_bytes, then loads
     with clock("resume_unpickle"):
@@ -214,10 +251,20 @@ def measure(num_samples: int, tokens: int, *, group_size: int = 16, prompt_token
             del data
             with clock("save_rank0_write"):
                 run_state.write_trainer_state(ckpt, state)
-            with clock("save_wait"):  # right before the manifest; here rank 0 has nothing else to do
+            with clock("save_hash"):  # every rank hashes its own files (rank 0: trainer.json and its side file)
+                hashed = run_state.hash_own_files(ckpt, 0, 1, skip=frozenset({"rollout_tokens.bin"}))
+            if DEFERRED is not None:  # the next step runs meanwhile (off the path): until the file is written
+                clock.times["save_s_so_far"] = clock.elapsed("save")
+                assert here.recv() == "written"
+                clock.restart("save")
+            with clock("save_wait"):  # 835d065: right after the hashes; deferred: at the next step boundary
                 if snapshot is not None:
                     here.send("files")
                     out["token_file_entry"] = here.recv()
+                    hashed.update(out["token_file_entry"])
+            with clock("save_manifest"):  # the completion marker and `latest`
+                run_state.finish_checkpoint(ckpt, hashed)
+        clock.times["save_s"] += clock.times.pop("save_s_so_far", 0.0)
         out["disk_bytes"] = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
         del state
         with clock("resume"):
@@ -235,9 +282,11 @@ def measure(num_samples: int, tokens: int, *, group_size: int = 16, prompt_token
         if peer.is_alive():
             peer.kill()
         shutil.rmtree(root, ignore_errors=True)
-    t = {"save_background_s": 0.0, **clock.times, **peer_times}  # 0: no file written on a thread
+    t = {"save_background_s": 0.0, "save_convert_s": 0.0, **clock.times, **peer_times}  # 0: no such thread
     out.update(t)
     out["save_cpu"] = t["save_driver_cpu"] + t["save_pickle_cpu"] + t["save_unpickle_cpu"] + t["save_rank0_write_cpu"]
+    # The worst case: the step boundary comes right after the save returned and waits for all of the thread's work.
+    out["save_worst_s"] = (t["save_s"] - t["save_wait_s"] + t["save_background_s"]) if DEFERRED else t["save_s"]
     out["resume_cpu"] = (t["resume_rank0_read_cpu"] + t["resume_pickle_cpu"] + t["resume_unpickle_cpu"]
                          + t["resume_driver_cpu"])
     out["resume_s"] = t["resume_s"] + t["resume_driver_s"]  # rank 0 had its answer when the driver finished that
@@ -265,7 +314,9 @@ def main() -> None:
           f"(wall / CPU seconds; values = token ids + log-probs + versions, prompts' ids not counted)")
     phases = [("save", "save_driver", "driver: state_dict"), ("save", "save_pickle", "driver: pickle"),
               ("save", "save_unpickle", "rank 0: unpickle"), ("save", "save_rank0_write", "rank 0: write"),
-              ("save", "save_wait", "rank 0: waits for the file"), ("save", "save", "SAVE, critical path"),
+              ("save", "save_hash", "rank 0: hashes its files"),
+              ("save", "save_wait", "rank 0: waits, file written" if DEFERRED else "rank 0: waits for the file"),
+              ("save", "save_manifest", "rank 0: manifest + latest"), ("save", "save", "SAVE, critical path"),
               ("resume", "resume_rank0_read", "rank 0: read"), ("resume", "resume_pickle", "rank 0: pickle"),
               ("resume", "resume_unpickle", "driver: unpickle"),
               ("resume", "resume_driver", "driver: until it answers"),
@@ -275,13 +326,16 @@ def main() -> None:
         print(f"{label:>34}" + "".join(f"{r.get(key + '_s', 0.0):>9.3f} /{r.get(key + '_cpu', 0.0):>9.3f}"
                                        for r in rows))
     print(f"{'driver: file written (thread)':>34}" + "".join(f"{r['save_background_s']:>9.3f}{'':>11}" for r in rows))
+    print(f"{'of which: values read (thread)':>34}" + "".join(f"{r.get('save_convert_s', 0.0):>9.3f}{'':>11}"
+                                                             for r in rows))
+    print(f"{'SAVE, worst case':>34}" + "".join(f"{r['save_worst_s']:>9.3f}{'':>11}" for r in rows))
     for key in ("save_pipe_bytes", "resume_pipe_bytes", "disk_bytes"):
         print(f"{key:>34}" + "".join(f"{r[key]:>20,}" for r in rows))
     print(f"{'restored == saved':>34}" + "".join(f"{str(r['round_trip_equal']):>20}" for r in rows))
     print(f"EXTRAPOLATED to the recipe's {RECIPE_VALUES:.0e} values (least squares over the sizes above):")
-    for key in ("save_s", "save_cpu", "save_driver_s", "save_wait_s", "save_background_s", "resume_s", "resume_cpu",
-                "resume_background_cpu", "save_pipe_bytes",
-                "resume_pipe_bytes", "disk_bytes"):
+    for key in ("save_s", "save_worst_s", "save_cpu", "save_driver_s", "save_rank0_write_s", "save_wait_s",
+                "save_manifest_s", "save_background_s", "save_convert_s", "resume_s", "resume_cpu",
+                "resume_background_cpu", "save_pipe_bytes", "resume_pipe_bytes", "disk_bytes"):
         per, fixed = _fit(rows, key)
         if key.endswith("bytes"):
             print(f"  {key:24} {per:8.3f} bytes per value -> {(per * RECIPE_VALUES + fixed) / 1e9:8.3f} GB")

@@ -45,7 +45,7 @@ from megatron_bapo.metrics import MetricsWriter
 from megatron_bapo.run_state import CheckpointError, checkpoint_dir
 from megatron_bapo.rollout.batch import mask_stale_tokens
 from megatron_bapo.rollout.pool import ServerPool
-from megatron_bapo.rollout.state_tokens import TokenFile, gc_paused, in_background, snapshot
+from megatron_bapo.rollout.state_tokens import TokenFile, TokenWrite, gc_paused, in_background, snapshot
 from megatron_bapo.rollout.types import live_lists
 from megatron_bapo.sample_ledger import SampleLedger
 from megatron_bapo.sync.export import NullSink
@@ -75,8 +75,8 @@ class Driver:
         """What this run's checkpoints record about it (`run_record`), saved as trainer.json's "run"."""
         self._restoring: Any = None
         """The resumed rollout state being rebuilt in the background (a Future), until start_rollout."""
-        self._writing: Any = None
-        """The token file `state_dict(wait=False)` writes on a thread (a Future), until `state_files`."""
+        self._writing = TokenWrite()
+        """The token file `state_dict(wait=False)` writes on a thread, until the next save."""
 
     # ------------------------------------------------------------------ setup / teardown
     def start(self, state: dict[str, Any], *, step: int, version: int, hf_config: Any, world_size: int,
@@ -327,12 +327,13 @@ class Driver:
     def state_dict(self, step: int, version: int, ckpt_dir: Optional[Path] = None, *,
                    wait: bool = True) -> dict[str, Any]:
         """Everything rank 0 needs to resume: taken with the producer paused between rounds; the round in
-        flight (rollout ahead of training) is aborted with its tokens kept, not drained. The buffers'
-        token lists become flat arrays under the pause (`state_tokens.snapshot`), and the rollout
-        resumes; the arrays go to `ckpt_dir` (default: the step's checkpoint directory, where the
-        trainer writes trainer.json next) before this returns, or with `wait=False` on a thread, and
-        `state_files` waits for them (the trainer calls it right before the manifest). What is returned
-        (and crosses the driver process's pipe) is a small JSON-safe tree."""
+        flight (rollout ahead of training) is aborted with its tokens kept, not drained. Under the pause
+        no token value is read: `state_tokens.snapshot` records each live token list and its length, and
+        the rollout resumes. The values become the token file in `ckpt_dir` (default: the step's
+        checkpoint directory, where the trainer writes trainer.json next) before this returns, or with
+        `wait=False` on a thread, and `state_files` waits for it (the trainer asks at the next step
+        boundary, `checkpoint_save`). What is returned (and crosses the driver process's pipe) is a
+        small JSON-safe tree."""
         self._restored()
         self._drop_unfinished_write()
         self.producer.pause(abort=True)
@@ -347,22 +348,18 @@ class Driver:
         if wait:
             snap.write(target)
         else:
-            self._writing = snap.start(target)
+            self._writing.start(snap, target)
         return snap.tree
 
     def state_files(self) -> dict[str, tuple[int, str]]:
         """The files the last `state_dict(wait=False)` writes, once written, fsync'd and renamed:
-        `{path relative to its checkpoint: (size, sha256)}` for the manifest ({} when none is pending).
-        Raises the write's error (OSError: a full disk)."""
-        writing, self._writing = self._writing, None
-        return writing.result() if writing is not None else {}
+        `{path relative to its checkpoint: (size, sha256)}` for the manifest ({} when none was started).
+        Raises the write's error (OSError: a full disk). Asked again (a call SIGTERM interrupted, the
+        trainer's exit path), the same answer, until the next `state_dict`."""
+        return self._writing.files()
 
     def _drop_unfinished_write(self) -> None:
-        """A write whose checkpoint failed before `state_files` (the trainer removed it) ends first."""
-        try:
-            self.state_files()
-        except OSError as exc:
-            logger.warning("the previous checkpoint's rollout token file was not written: %s", exc)
+        self._writing.drop()
 
 
 def _routing_shape(hf_path: str) -> tuple[int, int]:

@@ -197,6 +197,8 @@ class DriverProcess:
         return self._call("state_dict", step, version, ckpt_dir, wait=wait)
 
     def state_files(self) -> dict[str, tuple[int, str]]:
+        """`Driver.state_files`, answered by the child (the same answer when asked again); a SIGTERM
+        to the child does not interrupt it."""
         return self._call("state_files")
 
     def begin_stop(self) -> None:
@@ -320,7 +322,9 @@ class _Child:
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         target = getattr(self, method, None) if method in _OWN_CALLS else getattr(self.driver, method)
-        self.busy = True
+        # SIGTERM stops a call in progress, but not the wait for a checkpoint's token file: the
+        # trainer's exit path asks for it to complete that checkpoint before the job ends.
+        self.busy = method not in _UNINTERRUPTED
         try:
             return target(*args, **kwargs)
         finally:
@@ -330,6 +334,7 @@ class _Child:
 _OWN_CALLS = frozenset({"ship_to", "next_batch", "update_begin", "sink_send", "sink_load", "update_end"})
 _DRIVER_CALLS = frozenset({"start", "servers_hold_other_weights", "start_rollout", "evaluate", "state_dict",
                            "state_files"})
+_UNINTERRUPTED = frozenset({"state_files"})
 
 
 def _serve(conn: Any, logs: Any, level: int, config: Any, output_dir: Path, device: Optional[int]) -> None:

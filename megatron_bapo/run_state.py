@@ -6,7 +6,7 @@
     <output_dir>/checkpoints/step_000010/rollout_tokens.bin  the buffers' token ids, log-probs and
                                                          versions as flat arrays, written and hashed by
                                                          the driver (in its own process or not) on a
-                                                         thread, before the manifest (`rollout.state_tokens`)
+                                                         thread while training goes on (`rollout.state_tokens`)
     <output_dir>/checkpoints/step_000010/trainer_arrays.bin  trainer.json's other long numeric lists,
                                                          binary (`state_io`; older checkpoints: the buffer's)
     <output_dir>/checkpoints/step_000010/manifest.json   path, size and sha256 of every other file in
@@ -14,10 +14,12 @@
     <output_dir>/checkpoints/latest                      name of the newest checkpoint written
 
 Writing (after the actor's own atomic save): `trainer.json` (temp file + `os.replace`), every rank
-hashes the files it wrote (`manifest.hash_own_files`), rank 0 writes the merged manifest (same), then
-`latest`; old checkpoints are deleted in the background (`prune_checkpoints`). The manifest is the completion marker: a
-process killed at any point leaves the previous checkpoint as the resume point, and samples drawn
-after it are drawn again on resume (same data order), none is lost or trained twice.
+hashes the files it wrote (`manifest.hash_own_files`); at the next step boundary, once the driver's
+token file is written, rank 0 writes the merged manifest (same), then `latest`, and only then are old
+checkpoints deleted, in the background (`prune_checkpoints`; the trainer's order: `checkpoint_save`).
+The manifest is the completion marker: a process killed at any point leaves the previous checkpoint
+as the resume point, and samples drawn after it are drawn again on resume (same data order), none
+is lost or trained twice.
 
 Resuming (`latest_checkpoint`): step directories are tried newest first and the first one that
 verifies is used. Verification (`verify_checkpoint`) compares every file with the manifest -- sizes

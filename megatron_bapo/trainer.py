@@ -5,9 +5,11 @@
         batch   = scatter(batch)                     # each actor rank gets its own DP/CP slice
         metrics = actor.train_step(batch)            # ppo_epochs x n_minibatches BAPO optimizer steps
         sync_weights(version)                        # export (every rank) -> rank 0's server pool
-        log(metrics); maybe evaluate
+        maybe evaluate
+        complete the previous step's checkpoint      # its manifest, once the driver's token file is written
+        log(metrics)
         watchdog.observe(step, metrics)              # no update in trainer.max_steps_without_update steps: stop
-        maybe checkpoint
+        maybe checkpoint                             # completed at the next step boundary (`checkpoint_save`)
 
 Rank 0 also holds the `Driver` (`megatron_bapo.driver`): the server pool and the rollout client,
 data, the rollout producer (which with `trainer.async_steps` = k keeps k rounds ahead of training),
@@ -33,12 +35,12 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megatron_bapo import run_record, run_state
+from megatron_bapo.checkpoint_save import CheckpointSaves
 from megatron_bapo.config import RunConfig, dump_run_config
 from megatron_bapo.config_io import ConfigError
 from megatron_bapo.logs import CONSOLE
 from megatron_bapo.models.parallel import init_distributed_env
 from megatron_bapo.progress import ProgressWatchdog, why_no_update
-from megatron_bapo.rollout.state_tokens import TOKENS_FILE
 
 logger = logging.getLogger(__name__)
 # Rank 0's console lines (megatron_bapo.logs): the compact step line, eval results, resume.
@@ -66,8 +68,13 @@ class Trainer:
         self.export: Any = None
         self._since_line: list[dict[str, float]] = []  # metrics of the steps since the last console line
         self.watchdog = ProgressWatchdog(config.steps_without_update_limit())
-        self.checkpoint: Optional[Path] = None
+        self.saves = CheckpointSaves(self.output_dir, keep=config.trainer.keep_checkpoints)
+        """Checkpoints: saved at a step, completed (manifest, `latest`) at the next step boundary."""
+
+    @property
+    def checkpoint(self) -> Optional[Path]:
         """The newest complete checkpoint (resumed from or saved): where `--resume` would continue."""
+        return self.saves.kept
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[dict[str, float]]:
@@ -78,12 +85,14 @@ class Trainer:
             progress = self._progress()
             while self.step < cfg.total_steps:
                 metrics = self.train_one_step()
+                self.saves.complete(self.driver, self.cpu_group)  # the previous step's save: its file written meanwhile
                 if self.driver.leads:
                     self._report(metrics, progress)
                     history.append({"step": self.step, **metrics})
                 self.watchdog.observe(self.step, metrics)  # same decision on every rank
                 if self.step == cfg.total_steps or (cfg.save_every and self.step % cfg.save_every == 0):
                     self.save_checkpoint()
+            self.saves.complete(self.driver, self.cpu_group)  # the run ends with its last checkpoint complete
             if progress is not None:
                 progress.close()
         return history
@@ -131,21 +140,29 @@ class Trainer:
 
         def on_term(signum, frame):
             self.driver.begin_stop()  # the teardown below makes one short attempt per call
-            total = self.config.trainer.total_steps
-            where = (f"the newest checkpoint, {self.checkpoint.name} ({self.checkpoint})" if self.checkpoint is not None
-                     else f"the newest complete checkpoint in {self.output_dir / 'checkpoints'} (this run saved none "
-                          f"yet), or from model.hf_path if there is none")
-            raise Terminated(f"stopped by SIGTERM during step {min(self.step + 1, total)} of {total}; --resume "
-                             f"continues from {where}", 128 + signum)
+            raise Terminated(self._stopped(), 128 + signum)
 
         signal.signal(signal.SIGTERM, on_term)
         self.driver = Follower()
         try:
             self._setup()
             yield
+        except BaseException as exc:  # a checkpoint saved before the run ended so is completed (rank 0, alone)
+            self.saves.complete_on_exit(self.driver)
+            if isinstance(exc, Terminated):
+                exc.message = self._stopped()
+            raise
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.driver.close()
+
+    def _stopped(self) -> str:
+        """SIGTERM's line: the step it stopped and where `--resume` continues."""
+        total = self.config.trainer.total_steps
+        where = (f"the newest checkpoint, {self.checkpoint.name} ({self.checkpoint})" if self.checkpoint is not None
+                 else f"the newest complete checkpoint in {self.output_dir / 'checkpoints'} (this run saved none "
+                      f"yet), or from model.hf_path if there is none")
+        return f"stopped by SIGTERM during step {min(self.step + 1, total)} of {total}; --resume continues from {where}"
 
     def _setup(self) -> None:
         """Process groups; rank 0 starts the driver (paths, reward, servers, context length checked)
@@ -176,7 +193,7 @@ class Trainer:
         if resume_from is not None:
             state = run_state.load_trainer_state(resume_from, full=groups.rank == 0)
             self.step, self.version = int(state["step"]), int(state["version"])
-            self.checkpoint = resume_from
+            self.saves.kept = resume_from
             console.info("resuming from %s (step %d of %d)", resume_from, self.step, cfg.trainer.total_steps)
         error, foreign = None, False
         if groups.rank == 0:
@@ -257,62 +274,18 @@ class Trainer:
                 if verify == "off" or not self._broadcast(resend):
                     break
         except ExportWriteError as exc:  # every rank raises it; a full disk during a save is handled alike
+            self.saves.complete_on_exit(self.driver)  # the previous step's save first: the line names the resume point
             where = run_state.resume_point(self.checkpoint, self.output_dir / "checkpoints")
             raise ExportWriteError(f"{exc}; {where}. Free disk space (or lower sync.keep_versions) and rerun "
                                    f"with --resume") from exc
 
     def save_checkpoint(self) -> None:
-        """Actor (every rank), rank 0's trainer state, every rank hashes its own files, rank 0 writes the
-        merged manifest and `latest` and deletes old checkpoints in the background. The driver writes
-        the rollout token file on a thread from `state_dict` on; rank 0 waits for it (and its sha256)
-        right before the manifest (`Driver.state_files`), while the others wait there. A filesystem error
-        (a full disk) removes the partial save and stops the run with one line naming the path, the
-        bytes free and the checkpoint that is kept (`run_state.save_failure`)."""
-        ckpt = run_state.checkpoint_dir(self.output_dir, self.step)
-        try:
-            self.actor.save_checkpoint(ckpt / "actor")
-        except BaseException as exc:  # torch's CheckpointException is a BaseException
-            error = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else \
-                run_state.save_failure(ckpt, exc, kept=self.checkpoint)
-            if error is None:
-                raise
-            raise error from exc
-        failed = None
-        if self.driver.leads:  # the driver writes the rollout token file on a thread meanwhile (state_tokens)
-            try:
-                run_state.write_trainer_state(ckpt, self.driver.state_dict(self.step, self.version, wait=False))
-            except OSError as exc:
-                with contextlib.suppress(OSError):
-                    self.driver.state_files()  # its write ends before the partial save is removed
-                failed = str(run_state.save_failure(ckpt, exc, kept=self.checkpoint))
-        failed = self._broadcast(failed)  # every rank stops, or none
-        if failed is not None:
-            raise run_state.CheckpointError(failed)
-        # Every rank hashes the files it wrote (in parallel, from its own page cache); rank 0 merges.
-        try:
-            own: Any = run_state.hash_own_files(ckpt, dist.get_rank(self.cpu_group),  # the driver hashes its file
-                                                dist.get_world_size(self.cpu_group), skip=frozenset({TOKENS_FILE}))
-        except OSError as exc:
-            own = f"rank {dist.get_rank(self.cpu_group)} could not hash its files: {exc}"
-        parts: list = [None] * dist.get_world_size(self.cpu_group)
-        dist.all_gather_object(parts, own, group=self.cpu_group)
-        if self.driver.leads:
-            errors = [p for p in parts if isinstance(p, str)]
-            try:
-                # The wait: the driver's token file, written, fsync'd and hashed since state_dict returned.
-                written = self.driver.state_files()
-                if errors:
-                    raise OSError(errors[0])
-                run_state.finish_checkpoint(ckpt, {**{rel: h for part in parts for rel, h in part.items()}, **written})
-            except OSError as exc:
-                failed = str(run_state.save_failure(ckpt, exc, kept=self.checkpoint))
-            else:
-                run_state.prune_checkpoints(self.output_dir, self.config.trainer.keep_checkpoints)
-                logger.info("checkpoint %s", ckpt)
-        failed = self._broadcast(failed)
-        if failed is not None:
-            raise run_state.CheckpointError(failed)
-        self.checkpoint = ckpt
+        """Actor (every rank), rank 0's trainer state, every rank hashes its own files; the driver writes
+        the rollout token file on a thread, and the checkpoint is completed (manifest, `latest`, pruning)
+        at the next step boundary, once that file is written (`checkpoint_save`). A filesystem error (a
+        full disk) removes the partial save and stops the run with one line naming the path, the bytes
+        free and the checkpoint that is kept (`run_state.save_failure`), now or at that boundary."""
+        self.saves.save(self.step, self.version, self.actor, self.driver, self.cpu_group)
 
     def _progress(self):
         cfg = self.config.trainer

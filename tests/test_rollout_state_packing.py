@@ -75,12 +75,13 @@ def test_the_buffer_round_trips_exactly_through_the_token_file(tmp_path, logprob
     before = json.dumps(state)
     small = save_tokens(state, tmp_path)
     assert json.dumps(state) == before, "save_tokens changed the state it was given"
-    desc = small["rollout_tokens"]["arrays"]
-    assert desc["response_logprobs"][0] == ("<f4" if logprobs == "float32_exact" else "<f8")
-    assert desc["response_ids"][0] == "<i8" and desc["response_versions"][0] == "<i4"
     assert not any(isinstance(v, list) and len(v) > 20 for v in _leaves(small)), "a token list stayed in the tree"
 
-    back = TokenFile.open(json.loads(json.dumps(small)), tmp_path).load()
+    tokens = TokenFile.open(json.loads(json.dumps(small)), tmp_path)
+    dtypes = {field: dtype.str for field, (dtype, _, _) in tokens.layout.items()}
+    assert dtypes["response_logprobs"] == ("<f4" if logprobs == "float32_exact" else "<f8")
+    assert dtypes["response_ids"] == "<i8" and dtypes["response_versions"] == "<i4"
+    back = tokens.load()
     restored = [RolloutGroup.from_dict(g) for g in back["rollout"]["groups"]]
     assert [g.to_dict() for g in restored] == [g.to_dict() for g in groups]
     for got, want in zip((s for g in restored for s in g.samples), (s for g in groups for s in g.samples)):
@@ -154,7 +155,7 @@ def test_a_save_killed_while_the_driver_writes_its_token_file_is_skipped(tmp_pat
         ckpt.mkdir(parents=True)  # as the actor's save leaves it
         run_state.write_trainer_state(ckpt, snap.tree)
         if ckpt == newest:  # killed while writing: the part file as the writer leaves it, no manifest
-            (ckpt / (TOKENS_FILE + ".tmp")).write_bytes(snap.arrays["response_ids"].tobytes()[:64])
+            (ckpt / (TOKENS_FILE + ".tmp")).write_bytes(snap.arrays()["response_ids"].tobytes()[:64])
             break
         own = hash_own_files(ckpt, 0, 1, skip=frozenset({TOKENS_FILE}))
         assert TOKENS_FILE not in own
@@ -260,7 +261,7 @@ def through_the_driver_process(tiny_hf_dir, tmp_path_factory):
                 ckpt.mkdir(parents=True)  # as the actor's save leaves it before the trainer asks the driver
                 PHASE[0] = "state_dict"
                 saved = first.state_dict(2, 0, wait=False)  # as the trainer: the file written on a thread
-                written = first.state_files()
+                written = first.state_files(), first.state_files()  # asked again (an interrupted call): the same
                 PHASE[0] = "setup"
             finally:
                 first.close()
@@ -307,9 +308,10 @@ def test_a_resumed_driver_process_saves_the_buffer_it_was_given(through_the_driv
 
 def test_the_driver_process_hands_over_the_manifest_entry_of_the_file_it_wrote(through_the_driver_process):
     """`state_dict(wait=False)` then `state_files()` through the pipe: the entry (size, sha256) the
-    driver process hashed while writing is the file's, so rank 0 never reads the file back to hash it."""
+    driver process hashed while writing is the file's, so rank 0 never reads the file back to hash it;
+    asked again (the trainer's exit path after a call SIGTERM interrupted), the same entry."""
     from megatron_bapo.manifest import hash_file
     from megatron_bapo.rollout.state_tokens import TOKENS_FILE
 
-    ckpt, *_, written = through_the_driver_process
-    assert written == {TOKENS_FILE: hash_file(ckpt / TOKENS_FILE)}
+    ckpt, *_, (written, again) = through_the_driver_process
+    assert written == again == {TOKENS_FILE: hash_file(ckpt / TOKENS_FILE)}

@@ -54,14 +54,13 @@ def _ledger_steps(out) -> list[int]:
 
 @pytest.fixture(scope="module")
 def stopped(assets, tmp_path_factory):
-    """A 6-step run (a checkpoint every 2 steps) stopped by SIGTERM in step 5, after step 4's
-    checkpoint: (output_dir, console log, exit code, seconds from the signal to the exit)."""
+    """A 6-step run (a checkpoint every 2 steps) stopped by SIGTERM in step 5, after step 4's save
+    (completed at the end of step 5, or on the way out if the signal comes first: `checkpoint_save`):
+    (output_dir, console log, exit code, seconds from the signal to the exit)."""
     out = tmp_path_factory.mktemp("stopped") / "run"
     config = run_config(assets, out, total_steps=6, save_every=2, eval_at_start=False, log_level="info")
     proc = start_train(config, assets, "eval.every_n_steps=0")
-    latest = out / "checkpoints" / "latest"
     _wait_for(proc, lambda: 5 in _ledger_steps(out), "step 5")
-    assert latest.read_text().strip() == "step_000004"
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     log = finish(proc, timeout=60)
@@ -75,6 +74,8 @@ def test_sigterm_is_one_line_naming_the_step_and_where_resume_continues(stopped)
     last = last_line(log)
     assert re.fullmatch(r"stopped by SIGTERM during step [56] of 6; --resume continues from the newest checkpoint, "
                         r"step_000004 \(.*step_000004\)", last), log[-4000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000004"
+    assert run_state.latest_checkpoint(out) == run_state.checkpoint_dir(out, 4)
     assert "Traceback" not in log
     assert not any(pid_alive(p) for p in server_pids(out))
 

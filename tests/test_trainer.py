@@ -41,8 +41,10 @@ def _run(config, assets) -> tuple[int, str]:
 
 
 def _kill_mid_step_then_resume(config, assets, out) -> str:
-    """SIGKILL the run after step 2's checkpoint, once step 3's rollout is recorded (mid-step: before
-    its update); check that nothing it started outlives it; resume it. Returns the resumed run's log."""
+    """SIGKILL the run mid-step 4, once its rollout is recorded (before its update), while step 2's
+    checkpoint is the newest complete one and step 3's is saved but not completed (that happens at the
+    end of step 4: `checkpoint_save`); check that nothing it started outlives it; resume it (from step
+    2). Returns the resumed run's log."""
     proc = start_train(config, assets)
     ledger = out / "samples.jsonl"
     deadline = time.monotonic() + 600
@@ -52,11 +54,11 @@ def _kill_mid_step_then_resume(config, assets, out) -> str:
                 pytest.fail(f"trainer exited early: {proc.stdout.read()[-4000:]}")
             steps = [json.loads(ln)["step"] for ln in ledger.read_text().splitlines()] if ledger.exists() else []
             latest = out / "checkpoints" / "latest"
-            if 3 in steps and latest.exists() and latest.read_text().strip() == "step_000002":
+            if 4 in steps and latest.exists() and latest.read_text().strip() == "step_000002":
                 break
             time.sleep(0.05)
         else:
-            pytest.fail("timed out waiting for step 3")
+            pytest.fail("timed out waiting for step 4")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     finally:

@@ -25,9 +25,12 @@ _LIVE = contextvars.ContextVar("rollout_to_dict_live_lists", default=False)
 
 @contextlib.contextmanager
 def live_lists() -> Iterator[None]:
-    """`to_dict` hands out the objects' own token lists instead of copies, for a caller that reads
-    them at once while nothing appends (a checkpoint's snapshot, `state_tokens.snapshot`, under the
-    producer's pause): a copy of every list costs ~3-6 ns a value, seconds at 32B."""
+    """`to_dict` hands out the objects' own token lists instead of copies (and the routing as its
+    bytes, not base64), for a checkpoint's snapshot under the producer's pause (`state_tokens.snapshot`):
+    a copy of every list costs ~3-6 ns a value, seconds at 32B. The snapshot records each list and its
+    length and reads the values later, while the rollout goes on. That is exact because the token
+    lists are only ever extended, or replaced by new lists (`Sample.reset`), never changed in place
+    (`tests/test_state_tokens_invariant.py` fails on code that would)."""
     token = _LIVE.set(True)
     try:
         yield
@@ -37,6 +40,10 @@ def live_lists() -> Iterator[None]:
 
 def _tokens(values: list) -> list:
     return values if _LIVE.get() else list(values)
+
+
+def _routing(value: bytes) -> Any:
+    return value if _LIVE.get() else base64.b64encode(value).decode("ascii")
 
 
 @dataclass
@@ -206,7 +213,7 @@ class Sample:
                 "response_versions": _tokens(self.response_versions), "state": self.state.value,
                 "finish_reason": self.finish_reason, "num_segments": self.num_segments,
                 "num_regenerations": self.num_regenerations, "error": self.error, "reward": self.reward,
-                "routed_experts": base64.b64encode(self.routed_experts).decode("ascii"),
+                "routed_experts": _routing(self.routed_experts),
                 "routed_width": self.routed_width, "agent": self.agent.to_dict() if self.agent else None}
 
     @classmethod
