@@ -232,6 +232,26 @@ def test_avg_at_k_evaluation_graded_by_the_judge(tmp_path, on_failure, avg):
         asyncio.run(run_evaluation(ScriptedPolicy(), TOK, cfg))
 
 
+def test_the_evaluation_tool_grades_with_a_run_configs_judge(tiny_hf_dir, tmp_path, capsys):
+    import yaml
+
+    from megatron_bapo.eval.cli import main
+
+    data = tmp_path / "tool.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "42"}) + "\n" for p in ("1+1=", "2+2=", "3+3=")))
+    args = ["--model-path", str(tiny_hf_dir), "--data", str(data), "--n", "2", "--max-new-tokens", "3",
+            "--output", str(tmp_path / "out")]
+    with ThreadedFakeServer() as policy, ThreadedFakeServer(policy=judge_policy(lambda p, r, a: "no")) as judge_srv:
+        run_cfg = tmp_path / "run.yaml"
+        run_cfg.write_text(yaml.safe_dump({"reward": {"judge": {"urls": [judge_srv.url], **COMPLETE}}}))
+        assert main([*args, "--server-url", policy.url, "--judge-config", str(run_cfg)]) == 0
+        assert judge_srv.server.num_generate == 6
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())["metrics"]
+    assert metrics["eval/tool/avg@2"] == 0.0 and metrics["eval/tool/judge_num_scored"] == 6
+    assert main([*args, "--reward", "judge"]) == 2
+    assert "--judge-config RUN.yaml" in capsys.readouterr().err
+
+
 def _run_config(reward=None, eval_=None):
     return from_dict(RunConfig, {"model": {"hf_path": "m"}, "data": {"path": "d.jsonl"}, "reward": reward or {},
                                  "eval": eval_ or {}})
@@ -298,7 +318,7 @@ def test_the_judges_own_tokenizer_and_url_list_and_its_concurrency(tiny_hf_dir, 
 
 
 FIELD_TESTS = {
-    "urls": "test_the_judges_own_tokenizer_and_url_list_and_its_concurrency",
+    "urls": "test_the_evaluation_tool_grades_with_a_run_configs_judge",
     "tokenizer": "test_the_judges_own_tokenizer_and_url_list_and_its_concurrency",
     "max_concurrency": "test_the_judges_own_tokenizer_and_url_list_and_its_concurrency",
     "template": "test_the_judge_reads_the_filled_template_and_the_last_yes_or_no_decides",

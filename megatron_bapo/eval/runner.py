@@ -166,13 +166,15 @@ def evaluate_checkpoint(
     output_dir: Optional[Union[str, Path]] = None,
     server_kwargs: Optional[dict] = None,
     agent: Any = None,
+    judge: Any = None,
 ) -> dict[str, float]:
     """Evaluate an HF checkpoint directory on `config.datasets` (what `tools/evaluate.py` runs).
 
     Samples through `server_urls` (SGLang servers or a router serving this checkpoint) or, when
     none are given, a built-in server started on loopback and stopped afterwards. Writes
     `<output_dir>/<dataset>.jsonl` (per problem) and `<output_dir>/metrics.json`. With `agent` (a
-    `rollout.agent.AgentConfig` with tools) responses run through the agent loop and its tools.
+    `rollout.agent.AgentConfig` with tools) responses run through the agent loop and its tools. With
+    `judge` (a `rewards.judge.JudgeReward`) and `config.reward` "judge", the judge grades.
     """
     from transformers import AutoTokenizer
 
@@ -189,7 +191,8 @@ def evaluate_checkpoint(
 
                 loop = AgentLoop(agent, tokenizer)
             try:
-                metrics = client.run(run_evaluation(client, tokenizer, config, output_dir=output_dir, agent=loop))
+                metrics = client.run(run_evaluation(client, tokenizer, config, output_dir=output_dir, agent=loop,
+                                                    judge=judge))
             finally:
                 if loop is not None:
                     loop.close()

@@ -76,8 +76,8 @@ def load_reward_fn(spec: str) -> RewardFn:
         raise RewardSpecError(f"reward spec must be a non-empty string, got {spec!r}")
     spec = spec.strip()
     if spec == "judge":
-        raise RewardSpecError("reward 'judge' is a judge model's verdict, not a function: it is scored by the "
-                              "judge servers of a run config's reward.judge (rewards.judge.JudgeReward)")
+        raise RewardSpecError("reward 'judge' is a judge model's verdict, not a function: the judge servers of a "
+                              "run config's reward.judge score it (tools/evaluate.py: --judge-config RUN.yaml)")
     return _import_path(spec, BUILTIN_REWARDS.get(spec, spec))
 
 

@@ -191,22 +191,26 @@ def log_step(step: int, metrics: dict[str, float], on_failure: str) -> Optional[
 def start_judge(reward: Any, eval_cfg: Any, *, urls: Sequence[str], model_path: str) -> Optional[JudgeReward]:
     """The run's judge when `reward.fn` or (evaluation on) `eval.reward` is "judge", else None: over
     the servers at `urls` (today `reward.judge.urls`; the one input a pool of judge servers would
-    replace), with `reward.judge.tokenizer` or else `model_path`'s. A missing URL list or tokenizer is
-    a `ConfigError` naming the field."""
+    replace), with `reward.judge.tokenizer` or else `model_path`'s (`open_judge`)."""
+    evaluates = eval_cfg.reward == JUDGE and eval_cfg.every_n_steps > 0 and bool(eval_cfg.datasets)
+    if reward.fn != JUDGE and not evaluates:
+        return None
+    return open_judge(reward.judge, urls, tokenizer_path=reward.judge.tokenizer or model_path)
+
+
+def open_judge(config: JudgeConfig, urls: Sequence[str], *, tokenizer_path: str) -> JudgeReward:
+    """A judge over the servers at `urls` with the tokenizer at `tokenizer_path`; a missing URL list
+    or tokenizer is a `ConfigError` naming the field."""
     from transformers import AutoTokenizer
 
     from megatron_bapo.config_io import ConfigError
 
-    evaluates = eval_cfg.reward == JUDGE and eval_cfg.every_n_steps > 0 and bool(eval_cfg.datasets)
-    if reward.fn != JUDGE and not evaluates:
-        return None
     if not urls:
         raise ConfigError("reward.judge.urls is empty: list the judge servers (http://host:port) that serve the "
                           "judge model (reward.fn=judge or eval.reward=judge)")
-    path = reward.judge.tokenizer or model_path
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"reward.judge.tokenizer: cannot load a tokenizer from {path!r} ({exc}); set it to the "
-                          f"judge model's HF directory") from None
-    return JudgeReward.for_urls(reward.judge, urls, tokenizer)
+        raise ConfigError(f"reward.judge.tokenizer: cannot load a tokenizer from {tokenizer_path!r} ({exc}); set it "
+                          f"to the judge model's HF directory") from None
+    return JudgeReward.for_urls(config, urls, tokenizer)
