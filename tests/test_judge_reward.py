@@ -171,7 +171,7 @@ def test_an_unparseable_verdict_is_counted_and_its_group_dropped_or_scored_zero(
     with judge(lambda p, r, a: prompts_seen.append(p) or by_response(p, r, a), on_failure=on_failure) as (j, _):
         done = _round(groups, j)
     m = done.metrics
-    assert (m["judge/num_scored"], m["judge/num_unparseable"], m["judge/num_timeout"], m["judge/num_error"]) == (7, 1, 0, 0)
+    assert [m[f"judge/num_{k}"] for k in ("scored", "unparseable", "timeout", "error")] == [7, 1, 0, 0]
     assert m["reward/num_fn_failures"] == 1 and m["experience/num_groups_filtered"] == 0
     assert set(prompts_seen) == {"user\nWhat is 6*7?\nassistant\n"}  # the policy's prompt, special tokens removed
     assert [s.reward for s in groups[1].samples] == [1.0, 0.0, 0.0, 1.0]
@@ -258,12 +258,13 @@ def _run_config(reward=None, eval_=None):
 
 
 COMPLETE = {"template": TEMPLATE, **YES_NO}
+EVAL_ON = {"reward": "judge", "every_n_steps": 5, "datasets": [{"name": "t", "path": "t.jsonl"}]}
 
 
 @pytest.mark.parametrize("reward, eval_, needle", [
     ({"fn": "judge"}, None, "reward.fn=judge needs reward.judge.template"),
-    ({"fn": "judge", "judge": {"template": TEMPLATE}}, None, "reward.fn=judge needs a parse rule: reward.judge.parse_regex"),
-    ({"judge": {"parse_regex": "(a)(b)"}}, None, "reward.judge.parse_regex='(a)(b)' has 2 groups; it needs exactly one"),
+    ({"fn": "judge", "judge": {"template": TEMPLATE}}, None, "reward.fn=judge needs a parse rule: reward.judge.parse_"),
+    ({"judge": {"parse_regex": "(a)(b)"}}, None, "reward.judge.parse_regex='(a)(b)' has 2 groups; it needs exactly"),
     ({"judge": {"parse_regex": "(a"}}, None, "reward.judge.parse_regex='(a' is not a regular expression"),
     ({"judge": {"parse_regex": "(a)", "parse_fn": "m:f"}}, None, "parse_regex and reward.judge.parse_fn are both set"),
     ({"judge": {"values": {"yes": 1}}}, None, "reward.judge.values maps the text parse_regex captures"),
@@ -277,7 +278,7 @@ COMPLETE = {"template": TEMPLATE, **YES_NO}
     ({"judge": {"temperature": -1}}, None, "reward.judge.temperature must be >= 0"),
     ({"judge": {"parse_fn": "nocolon"}}, None, "reward.judge.parse_fn='nocolon': expected an import path"),
     ({"judge": {"urls": ["judge:8000"]}}, None, "reward.judge.urls: 'judge:8000' must start with http://"),
-    ({"judge": {"template": TEMPLATE}}, {"reward": "judge", "every_n_steps": 5, "datasets": [{"name": "t", "path": "t.jsonl"}]},
+    ({"judge": {"template": TEMPLATE}}, EVAL_ON,
      "eval.reward=judge needs a parse rule"),
 ])
 def test_config_errors_name_the_field_and_the_fix(reward, eval_, needle):

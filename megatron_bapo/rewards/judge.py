@@ -26,7 +26,7 @@ import re
 from collections import Counter
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_bapo.rewards.judge_config import JUDGE, JudgeConfig, _NAME
+from megatron_bapo.rewards.judge_config import JUDGE, JudgeConfig, PLACEHOLDER_RE
 from megatron_bapo.rewards.types import RewardResult
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class JudgeReward:
         return cls(config, tokenizer, client, owns_client=True)
 
     def close(self) -> None:
+        """Stop the client `for_urls` made (a client passed in belongs to its caller)."""
         if self._owns_client:
             self.client.close()
 
@@ -81,7 +82,7 @@ class JudgeReward:
         """The judge's input: the filled template, as one user message through the judge's chat
         template (with the generation prompt) when its tokenizer has one, else as it is."""
         values = {"prompt": prompt, "response": response, "answer": answer}
-        text = _NAME.sub(lambda m: values[m.group(1)], self.config.template)  # one pass: inserted text stays
+        text = PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], self.config.template)  # one pass: inserted text stays
         if self._chat:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                       add_generation_prompt=True)
@@ -108,7 +109,7 @@ class JudgeReward:
         if self.config.values:
             if key not in self.config.values:
                 return _failed(UNPARSEABLE, f"verdict {verdict!r} is not a key of reward.judge.values")
-            return RewardResult(self.config.values[key], SCORED, extracted=None)
+            return RewardResult(self.config.values[key], SCORED)
         try:
             value = float(key)
         except ValueError:

@@ -22,7 +22,8 @@ PLACEHOLDERS = ("prompt", "response", "answer")
 
 ON_FAILURE = ("drop_group", "score_zero")
 
-_NAME = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+PLACEHOLDER_RE = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+"""A `{name}` in `template`: one of `PLACEHOLDERS`, or refused as a misspelt one."""
 
 
 @dataclass
@@ -75,7 +76,7 @@ class JudgeConfig:
                 raise ConfigError(f"{p}.urls: {u!r} must start with http:// or https://")
         if len(set(self.urls)) != len(self.urls):
             raise ConfigError(f"{p}.urls has duplicates: {self.urls}; list each judge server once")
-        unknown = sorted({m for m in _NAME.findall(self.template)} - set(PLACEHOLDERS))
+        unknown = sorted({m for m in PLACEHOLDER_RE.findall(self.template)} - set(PLACEHOLDERS))
         if unknown:
             raise ConfigError(f"{p}.template names {{{unknown[0]}}}; the placeholders are "
                               f"{', '.join('{' + n + '}' for n in PLACEHOLDERS)}")
