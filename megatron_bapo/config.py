@@ -25,6 +25,7 @@ from megatron_bapo.algorithms.config import BapoConfig
 from megatron_bapo.config_io import ConfigError, apply_overrides, from_dict, to_dict
 from megatron_bapo.data.config import DatasetConfig
 from megatron_bapo.eval.config import EvalConfig
+from megatron_bapo.rewards.judge_config import JudgeConfig, check_judge_use
 from megatron_bapo.rollout.agent import AgentConfig
 from megatron_bapo.rollout.config import PartialRolloutConfig, RolloutClientConfig
 from megatron_bapo.rollout.pool import required_server_flags
@@ -243,7 +244,8 @@ class RolloutConfig(PartialRolloutConfig):
 @dataclass
 class RewardConfig:
     fn: str = "math"
-    """Built-in name ("math", "math_last_number", "arithmetic") or "package.module:function"."""
+    """Built-in name ("math", "math_last_number", "arithmetic"), "package.module:function", or "judge"
+    (a judge model's verdict, `judge`)."""
     num_workers: int = 4
     """Threads scoring in parallel (the math reward checks in worker processes with timeouts)."""
     timeout_s: float = 60.0
@@ -258,6 +260,9 @@ class RewardConfig:
     0 = off. Logged as `reward/overlong_penalty_mean` and `reward/num_overlong_penalized`."""
     overlong_penalty: float = 1.0
     """The penalty at the limit (DAPO: 1, the scale of a correct answer)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The judge of `fn: judge` and `eval.reward: judge`: its servers, prompt template, parse rule,
+    sampling, timeout and what a missing verdict does (`megatron_bapo/rewards/judge_config.py`)."""
 
     def __post_init__(self) -> None:
         if self.overlong_buffer_tokens < 0:
@@ -315,6 +320,8 @@ class RunConfig:
                 f"reward.overlong_buffer_tokens={self.reward.overlong_buffer_tokens} is longer than "
                 f"rollout.max_response_tokens={ro.max_response_tokens}: the penalty's ramp must end at the limit; "
                 f"use at most {ro.max_response_tokens} (DAPO: a quarter of it)")
+        check_judge_use(self.reward.fn, self.reward.judge, self.eval.reward,
+                        eval_on=self.eval.every_n_steps > 0 and bool(self.eval.datasets))
         if self.actor.routing_replay and not ro.return_routed_experts:
             raise ConfigError("actor.routing_replay=true replays the experts the rollout servers chose, which they "
                               "return only when asked: set rollout.return_routed_experts=true")

@@ -42,6 +42,8 @@ from megatron_bapo.config_io import ConfigError
 from megatron_bapo.experience import build_experience
 from megatron_bapo.logs import CONSOLE
 from megatron_bapo.metrics import MetricsWriter
+from megatron_bapo.rewards.judge import log_step as log_judge_step, start_judge
+from megatron_bapo.rewards.judge_config import JUDGE
 from megatron_bapo.run_state import CheckpointError, checkpoint_dir
 from megatron_bapo.rollout.batch import mask_stale_tokens
 from megatron_bapo.rollout.pool import ServerPool
@@ -70,6 +72,8 @@ class Driver:
         self.agent: Any = None
         """The agent loop of multi-turn rollouts with tools (`rollout.agent`), None for single-turn."""
         self.writer: Optional[MetricsWriter] = None
+        self.judge: Any = None
+        """The judge (`rewards.judge.JudgeReward`) when `reward.fn` or `eval.reward` is "judge"."""
         self._thread_cpu = 0.0
         self.record: dict[str, Any] = {}
         """What this run's checkpoints record about it (`run_record`), saved as trainer.json's "run"."""
@@ -100,6 +104,7 @@ class Driver:
             for note in run_record.check_resume(state.get("run"), self.record, checkpoint or "the checkpoint"):
                 console.info("resume: %s", note)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+        self.judge = start_judge(cfg.reward, cfg.eval, urls=cfg.reward.judge.urls, model_path=cfg.model.hf_path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
         self.routed_experts_shape = _routing_shape(cfg.model.hf_path) if ro.return_routed_experts else None
         self.pool = ServerPool(ro, cfg.sync, model_path=cfg.model.hf_path, seed=cfg.trainer.seed,
@@ -119,7 +124,8 @@ class Driver:
         manager = PartialRolloutManager(self.client, ro, seed=cfg.trainer.seed if ro.deterministic_inference else None,
                                         agent=self.agent)
         self._score = functools.partial(score_groups, tokenizer=self.tokenizer, reward_cfg=cfg.reward,
-                                        max_response_tokens=ro.max_response_tokens)
+                                        max_response_tokens=ro.max_response_tokens,
+                                        judge=self.judge if cfg.reward.fn == JUDGE else None)
         self.sampler = DynamicSampler(
             mode=ro.dynamic_sampling, prompts_per_step=ro.prompts_per_step, max_refill_rounds=ro.max_refill_rounds,
             draw=lambda n: self.dataset.next_batch(n) if manager.ready_for_prompts() else [],
@@ -170,7 +176,8 @@ class Driver:
         cfg = self.config
         if not Path(cfg.data.path).exists():
             raise ConfigError(f"data.path={cfg.data.path!r} does not exist")
-        load_reward_fn(cfg.reward.fn)  # RewardSpecError naming reward.fn
+        if cfg.reward.fn != JUDGE:
+            load_reward_fn(cfg.reward.fn)  # RewardSpecError naming reward.fn
         for i, tool in enumerate(cfg.rollout.agent.tools):
             try:
                 load_tool_fn(tool.fn)
@@ -180,7 +187,7 @@ class Driver:
             for i, ds in enumerate(cfg.eval.datasets):
                 if not Path(ds.path).exists():
                     raise ConfigError(f"eval.datasets[{i}].path={ds.path!r} does not exist")
-            if isinstance(cfg.eval.reward, str):
+            if isinstance(cfg.eval.reward, str) and cfg.eval.reward != JUDGE:
                 load_reward_fn(cfg.eval.reward)
 
     def _check_context(self) -> None:
@@ -229,7 +236,8 @@ class Driver:
     def begin_stop(self) -> None:
         """The run is ending (called from the SIGTERM handler, before the teardown): every call to the
         servers from now on is one short attempt, never a retry against a dead port."""
-        for client in (self.client, self.pool.client if self.pool is not None else None):  # pool's: while starting
+        judge = self.judge.client if self.judge is not None else None
+        for client in (self.client, self.pool.client if self.pool is not None else None, judge):  # pool's: starting
             if client is not None:
                 client.stopping = True
 
@@ -241,6 +249,8 @@ class Driver:
             self.producer.stop()
         if self.agent is not None:
             self.agent.close()
+        if self.judge is not None:
+            self.judge.close()
         if self.pool is not None:
             self.pool.close()
         if self.writer is not None:
@@ -262,7 +272,10 @@ class Driver:
         t0 = time.monotonic()
         unscored = [g for g in done.groups if any(s.reward is None for s in g.samples)]
         if unscored:  # rounds saved ahead by a checkpoint written before rewards moved to rollout time
-            done.metrics.update(self._score(unscored).metrics())
+            stats = self._score(unscored)
+            done.metrics.update(stats.metrics())
+            done.dropped += [g for g in done.groups if g.group_id in stats.dropped_group_ids]
+            done.groups = [g for g in done.groups if g.group_id not in stats.dropped_group_ids]
         batch, metrics = build_experience(done.groups, self.tokenizer, cfg.advantage,
                                           n_minibatches=cfg.actor.n_minibatches,
                                           temperature=cfg.rollout.sampling.temperature,
@@ -274,6 +287,8 @@ class Driver:
         self.ledger.record(step, done.prompts, done.groups, done.dropped)
         metrics.update(done.metrics)  # rollout/*, reward/* and timing/reward_s: scored when the round ran
         metrics.update(self.dataset.metrics())
+        if self.judge is not None:
+            log_judge_step(step, metrics, cfg.reward.judge.on_failure)
         metrics.update({"timing/rollout_s": done.metrics.get("rollout/step_s", 0.0), "timing/rollout_wait_s": waited,
                         "timing/experience_s": time.monotonic() - t0})
         # What the driver costs rank 0's step (every rank waits for rank 0 at the scatter): its own
@@ -318,7 +333,8 @@ class Driver:
         from megatron_bapo.eval import run_evaluation
 
         return self.client.run(run_evaluation(self.client, self.tokenizer, self.config.eval,
-                                              output_dir=self.output_dir / "eval", step=step, agent=self.agent))
+                                              output_dir=self.output_dir / "eval", step=step, agent=self.agent,
+                                              judge=self.judge))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.writer.log(step, metrics)

@@ -19,7 +19,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_bapo.algorithms import dr_grpo_advantages, grpo_advantages, uniform_group_mask
-from megatron_bapo.rewards import score_batch
+from megatron_bapo.rewards import BatchScores, score_batch
+from megatron_bapo.rewards.judge import METRIC as JUDGE_METRIC, judge_counts, lost_groups
 from megatron_bapo.rewards.overlong import overlong_penalty
 from megatron_bapo.rewards.types import REWARD_FN_FAILURES
 from megatron_bapo.rollout.batch import build_batch
@@ -42,13 +43,18 @@ class RewardStats:
     """What `score_groups` measured, summable over the calls of one step (`add`), then `metrics()`."""
 
     rewards: list[float] = field(default_factory=list)
-    """The rewards training sees (task reward + overlong penalty), per sample."""
+    """The rewards training sees (task reward + overlong penalty), per sample (not of dropped groups)."""
     task_rewards: list[float] = field(default_factory=list)
     """The reward function's scores (accuracy counts those >= 1)."""
     penalties: list[float] = field(default_factory=list)
     num_failed: int = 0
     num_fn_failures: int = 0
     seconds: float = 0.0
+    judge_counts: Optional[dict[str, int]] = None
+    """The judge's verdicts by reason (`rewards.judge.METRIC`); None when no judge scored."""
+    dropped_group_ids: list[str] = field(default_factory=list)
+    """Groups not to train: a judge verdict is missing and `reward.judge.on_failure` is drop_group
+    (the rollout's `DynamicSampler` drops them, as it drops groups without signal)."""
 
     def add(self, other: "RewardStats") -> None:
         self.rewards += other.rewards
@@ -57,11 +63,19 @@ class RewardStats:
         self.num_failed += other.num_failed
         self.num_fn_failures += other.num_fn_failures
         self.seconds += other.seconds
+        if other.judge_counts is not None:
+            mine = self.judge_counts or {}
+            self.judge_counts = {k: mine.get(k, 0) + v for k, v in other.judge_counts.items()}
+        self.dropped_group_ids += other.dropped_group_ids
 
     def metrics(self) -> dict[str, float]:
-        """`rollout/reward_*`, `rollout/accuracy`, `reward/*` over every sample scored (none: counts only)."""
+        """`rollout/reward_*`, `rollout/accuracy`, `reward/*` over every sample scored (none: counts
+        only); with a judge, `judge/num_<reason>` and `judge/num_groups_dropped`."""
         out = {"reward/num_failed": float(self.num_failed), "reward/num_fn_failures": float(self.num_fn_failures),
                "timing/reward_s": self.seconds}
+        if self.judge_counts is not None:
+            out.update({JUDGE_METRIC[reason]: float(n) for reason, n in self.judge_counts.items()})
+            out["judge/num_groups_dropped"] = float(len(self.dropped_group_ids))
         if self.rewards:
             rewards = torch.tensor(self.rewards, dtype=torch.float64)
             out.update({
@@ -74,13 +88,17 @@ class RewardStats:
         return out
 
 
-def score_groups(groups: Sequence[Any], tokenizer: Any, reward_cfg: Any, *, max_response_tokens: int) -> RewardStats:
+def score_groups(groups: Sequence[Any], tokenizer: Any, reward_cfg: Any, *, max_response_tokens: int,
+                 judge: Any = None) -> RewardStats:
     """Score every sample of `groups` (finished `RolloutGroup`s) and store its reward on it.
 
     `sample.reward` = the reward function's score of the decoded response + DAPO's overlong penalty
-    (`reward.overlong_buffer_tokens` over `max_response_tokens`; `rewards.overlong`). Raises
-    `RewardFailure` when the reward function itself failed on more than `reward.max_failure_rate`
-    of the responses (a warning below that). Returns the step's statistics.
+    (`reward.overlong_buffer_tokens` over `max_response_tokens`; `rewards.overlong`). With `judge`
+    (a `rewards.judge.JudgeReward`: `reward.fn: judge`) the judge servers score instead, reading the
+    prompt too (decoded without special tokens); a missing verdict scores 0, and under
+    `reward.judge.on_failure: drop_group` its group is named in `dropped_group_ids` and left out of
+    the reward means. Raises `RewardFailure` when the reward function (or the judge) failed on more
+    than `reward.max_failure_rate` of the responses (a warning below that). Returns the statistics.
     """
     started = time.monotonic()
     samples = [s for g in groups for s in g.samples]
@@ -88,8 +106,13 @@ def score_groups(groups: Sequence[Any], tokenizer: Any, reward_cfg: Any, *, max_
         return RewardStats()
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     answers = [g.prompt.answer for g in groups for _ in g.samples]
-    scores = score_batch(reward_cfg.fn, texts, answers, num_workers=reward_cfg.num_workers, detailed=False,
-                         timeout_s=reward_cfg.timeout_s)
+    group_ids = [g.group_id for g in groups for _ in g.samples]
+    if judge is not None:
+        prompts = {g.group_id: tokenizer.decode(g.prompt.prompt_ids, skip_special_tokens=True) for g in groups}
+        scores = BatchScores(judge.score([prompts[gid] for gid in group_ids], texts, answers))
+    else:
+        scores = score_batch(reward_cfg.fn, texts, answers, num_workers=reward_cfg.num_workers, detailed=False,
+                             timeout_s=reward_cfg.timeout_s)
     fn_failures = [r for r in scores.results if r.reward_fn_failed]
     if fn_failures:
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(scores.failure_counts.items()) if k in REWARD_FN_FAILURES)
@@ -97,16 +120,23 @@ def score_groups(groups: Sequence[Any], tokenizer: Any, reward_cfg: Any, *, max_
         message = (f"reward {reward_cfg.fn!r} failed on {len(fn_failures)} of {len(samples)} responses ({counts}); "
                    f"e.g. {examples}")
         if len(fn_failures) > reward_cfg.max_failure_rate * len(samples):
-            raise RewardFailure(f"{message}. Fix reward.fn (a failure scores 0, so training on it would learn "
+            fix = ("Check the judge servers (reward.judge.urls), reward.judge.parse_regex / parse_fn against these "
+                   "verdicts and reward.judge.timeout_s" if judge is not None else "Fix reward.fn")
+            raise RewardFailure(f"{message}. {fix} (a failure scores 0, so training on it would learn "
                                 f"nothing), or raise reward.max_failure_rate={reward_cfg.max_failure_rate}")
         logger.warning(message)
     penalties = [overlong_penalty(s.response_length, max_response_tokens, reward_cfg.overlong_buffer_tokens,
                                   reward_cfg.overlong_penalty) for s in samples]
     for s, r, p in zip(samples, scores.rewards, penalties):
         s.reward = float(r) + p
-    return RewardStats(rewards=[s.reward for s in samples], task_rewards=[float(r) for r in scores.rewards],
-                       penalties=penalties, num_failed=scores.num_failed, num_fn_failures=len(fn_failures),
-                       seconds=time.monotonic() - started)
+    dropped = (lost_groups(scores.results, group_ids)
+               if judge is not None and judge.config.on_failure == "drop_group" else set())
+    kept = [i for i, gid in enumerate(group_ids) if gid not in dropped]
+    return RewardStats(rewards=[samples[i].reward for i in kept], task_rewards=[float(scores.rewards[i]) for i in kept],
+                       penalties=[penalties[i] for i in kept], num_failed=scores.num_failed,
+                       num_fn_failures=len(fn_failures), seconds=time.monotonic() - started,
+                       judge_counts=judge_counts(scores.results) if judge is not None else None,
+                       dropped_group_ids=sorted(dropped))
 
 
 def zero_variance(group: Any) -> bool:

@@ -43,6 +43,8 @@ def why_no_update(metrics: dict[str, float]) -> str:
         reasons.append(f"{n} reply(ies) refused")
     if (n := int(metrics.get("rollout/num_groups_failed", 0))) > 0:
         reasons.append(f"{n} group(s) failed (4xx)")
+    if (n := int(metrics.get("judge/num_groups_dropped", 0))) > 0:
+        reasons.append(f"{n} group(s) dropped for a missing judge verdict (reward.judge.on_failure)")
     groups = int(metrics.get("experience/num_groups", 0))
     filtered = int(metrics.get("experience/num_groups_filtered", 0))
     if "experience/num_groups" in metrics and groups == 0 and filtered:

@@ -123,6 +123,12 @@ POLICY: dict[str, tuple[str, str]] = {
                                                "keep their reward)"),
     "reward.overlong_penalty": (APPLIED, "shapes groups scored after the resume (buffered groups already scored keep "
                                          "their reward)"),
+    **{f"reward.judge.{name}": (APPLIED, "the judge's client is built with it when the resumed run starts")
+       for name in ("urls", "tokenizer", "max_concurrency")},
+    **{f"reward.judge.{name}": (APPLIED, "verdicts asked for after the resume (buffered groups already scored keep "
+                                         "their reward)")
+       for name in ("template", "parse_regex", "values", "parse_fn", "max_new_tokens", "temperature", "timeout_s",
+                    "on_failure")},
     "advantage.estimator": (APPLIED, _LIVE),
     "advantage.eps": (APPLIED, _LIVE),
     "actor.optim.name": (REFUSED, "the saved optimizer state belongs to the old optimizer"),
@@ -219,11 +225,11 @@ def leaf_fields(cls: Any = None, prefix: str = "") -> Iterator[str]:
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """A resolved config as `{dotted field: value}` (a dict-valued field such as
-    `rollout.sampling.extra` stays one value)."""
+    `rollout.sampling.extra` or `reward.judge.values` stays one value)."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         name = prefix + key
-        if isinstance(value, dict) and name not in ("rollout.sampling.extra",):
+        if isinstance(value, dict) and name not in ("rollout.sampling.extra", "reward.judge.values"):
             out.update(flatten(value, name + "."))
         else:
             out[name] = value

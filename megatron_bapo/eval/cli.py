@@ -4,10 +4,13 @@ pass@k and maj@n per dataset.
     python tools/evaluate.py --model-path HF_DIR --data aime24.jsonl [--data aime25.parquet]
         [--n 16] [--temperature 0.6] [--top-p 0.95] [--max-new-tokens N]
         [--server-url URL ...] [--reward math] [--output DIR] [--agent-config RUN_CONFIG.yaml]
+        [--judge-config RUN_CONFIG.yaml]
 
 Without --server-url the built-in CPU server is started on 127.0.0.1 for the checkpoint. With
 --agent-config every response runs through the agent loop with the tools of that run config's
 `rollout.agent` section (e.g. examples/configs/tiny_tools.yaml), and the tool-call rate is reported.
+With --judge-config a judge model grades (`--reward judge`): the `reward.judge` section of that run
+config (its servers, prompt template, parse rule; docs/rollout.md#judge-reward-rewardjudge).
 """
 
 from __future__ import annotations
@@ -38,6 +41,19 @@ def _agent_config(path: str):
     return agent
 
 
+def _judge_config(path: str):
+    """The `reward.judge` section of a run config file (validated, complete)."""
+    import yaml
+
+    from megatron_bapo.config_io import from_dict
+    from megatron_bapo.rewards.judge_config import JudgeConfig
+
+    data = yaml.safe_load(open(path, encoding="utf-8")) or {}
+    judge = from_dict(JudgeConfig, ((data.get("reward") or {}).get("judge")) or {}, "reward.judge")
+    judge.check_complete(f"--judge-config {path}")
+    return judge
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0])
     d = EvalConfig()
@@ -54,26 +70,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight at once")
     p.add_argument("--agent-config", default=None,
                    help="a run config whose rollout.agent section (tools, turns, call format) the responses use")
+    p.add_argument("--judge-config", default=None,
+                   help="a run config whose reward.judge section (judge servers, template, parse rule) grades")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    judge = None
     try:
         config = EvalConfig(
             datasets=datasets_from_paths(args.data), n=args.n, temperature=args.temperature, top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens, reward=args.reward, max_problems=args.max_problems,
-            concurrency=args.concurrency,
+            max_new_tokens=args.max_new_tokens, reward="judge" if args.judge_config else args.reward,
+            max_problems=args.max_problems, concurrency=args.concurrency,
         )
         from megatron_bapo.rewards import load_reward_fn
 
-        load_reward_fn(config.reward)  # fail before starting servers on a bad spec
+        if args.judge_config:
+            from megatron_bapo.rewards.judge import open_judge
+
+            judge_cfg = _judge_config(args.judge_config)
+            judge = open_judge(judge_cfg, judge_cfg.urls, tokenizer_path=judge_cfg.tokenizer or args.model_path)
+        else:
+            load_reward_fn(config.reward)  # fail before starting servers on a bad spec
         agent = _agent_config(args.agent_config) if args.agent_config else None
     except ValueError as exc:
         print(f"evaluate.py: error: {exc}", file=sys.stderr)
         return 2
-    metrics = evaluate_checkpoint(args.model_path, config, server_urls=args.server_url, output_dir=args.output,
-                                  agent=agent)
+    try:
+        metrics = evaluate_checkpoint(args.model_path, config, server_urls=args.server_url, output_dir=args.output,
+                                      agent=agent, judge=judge)
+    finally:
+        if judge is not None:
+            judge.close()
     print(format_metrics(metrics))
     return 0

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from megatron_bapo.eval.metrics import majority_vote, mean_metrics, problem_metrics
-from megatron_bapo.rewards import DetailedRewardFn, RewardFn, load_detailed_reward_fn, score_batch
+from megatron_bapo.rewards import BatchScores, DetailedRewardFn, RewardFn, load_detailed_reward_fn, score_batch
+from megatron_bapo.rewards.judge import JUDGE_FAILURES, METRIC, judge_counts
+from megatron_bapo.rewards.types import RewardResult
 from megatron_bapo.rewards.extract import extract_answer, normalize_answer
 
 logger = logging.getLogger(__name__)
@@ -59,8 +61,16 @@ def evaluate_records(
     *,
     dataset: str = "eval",
     num_workers: int = 0,
+    judged: Optional[Sequence[RewardResult]] = None,
+    drop_failed: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Score `samples[i]` (n responses) for `problems[i]`; return per-problem records and metrics.
+
+    `judged`: the judge's results of the flattened samples (`rewards.judge`, `eval.reward: judge`),
+    used instead of `reward`; the metrics then count them by reason (`judge_num_scored`,
+    `judge_num_timeout`, `judge_num_unparseable`, `judge_num_error`), and with `drop_failed`
+    (`reward.judge.on_failure: drop_group`) a problem with a missing verdict is left out of the means
+    (its record says `"judge_dropped": true`; `judge_num_problems_dropped`) instead of averaging its 0.
 
     Every problem must have the same n. Metrics (unprefixed): `avg@n` (mean reward), `pass@k`
     for k = 1, 2, 4, ... <= n (unbiased estimator), `maj@n` (majority vote over normalised
@@ -80,9 +90,15 @@ def evaluate_records(
         raise ValueError(f"evaluate_records: every problem needs the same n >= 1 samples, got sizes {sorted(sizes)}")
     n = sizes.pop()
     flat = [s if isinstance(s, Sample) else Sample(text=s) for group in samples for s in group]
-    detailed = reward if isinstance(reward, str) else load_detailed_reward_fn(reward)
-    scores = score_batch(detailed, [s.text for s in flat], [p.answer for p in problems for _ in range(n)],
-                         num_workers=num_workers, detailed=not isinstance(detailed, str))
+    if judged is not None:
+        if len(judged) != len(flat):
+            raise ValueError(f"evaluate_records: {len(judged)} judge results for {len(flat)} samples")
+        scores = BatchScores(list(judged))
+    else:
+        detailed = reward if isinstance(reward, str) else load_detailed_reward_fn(reward)
+        scores = score_batch(detailed, [s.text for s in flat], [p.answer for p in problems for _ in range(n)],
+                             num_workers=num_workers, detailed=not isinstance(detailed, str))
+    num_dropped = 0
     records: list[dict[str, Any]] = []
     per_problem: list[dict[str, float]] = []
     for i, problem in enumerate(problems):
@@ -96,7 +112,10 @@ def evaluate_records(
         ]
         maj_key, maj_ok = majority_vote(keys, correct)
         metrics = problem_metrics(rewards, correct, maj_ok)
-        per_problem.append(metrics)
+        lost = drop_failed and any(r.reason in JUDGE_FAILURES for r in results)
+        num_dropped += lost
+        if not lost:
+            per_problem.append(metrics)
         records.append(
             {
                 "dataset": dataset,
@@ -106,6 +125,7 @@ def evaluate_records(
                 "n": n,
                 "num_correct": sum(correct),
                 **metrics,
+                **({"judge_dropped": True} if lost else {}),
                 "maj_answer": maj_key,
                 "responses": [
                     {
@@ -117,6 +137,7 @@ def evaluate_records(
                         "finish_reason": s.finish_reason,
                         "num_tokens": s.num_tokens,
                         **({"error": s.error} if s.error else {}),
+                        **({"reward_error": r.error} if r.error else {}),
                         **({"num_tool_calls": s.num_tool_calls, "num_turns": s.num_turns}
                            if s.num_tool_calls is not None else {}),
                     }
@@ -128,6 +149,9 @@ def evaluate_records(
     out["num_problems"] = float(len(problems))
     out["num_samples"] = float(len(flat))
     out["num_answer_failures"] = float(scores.num_failed)
+    if judged is not None:
+        out.update({METRIC[k].replace("/", "_"): float(v) for k, v in judge_counts(scores.results).items()})
+        out["judge_num_problems_dropped"] = float(num_dropped)
     out["num_request_errors"] = float(sum(s.finish_reason == "error" for s in flat))
     out["truncated_frac"] = sum(s.finish_reason == "length" for s in flat) / len(flat)
     out["response_tokens_mean"] = sum(s.num_tokens for s in flat) / len(flat)

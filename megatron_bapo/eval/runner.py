@@ -47,9 +47,12 @@ async def evaluate_dataset(
     config: EvalConfig,
     *,
     name: str = "eval",
+    judge: Any = None,
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Sample `config.n` responses per problem, score them; (records, unprefixed metrics). An
-    `AgentSampler` runs each response through the agent loop (tools, several turns)."""
+    `AgentSampler` runs each response through the agent loop (tools, several turns). `judge` (a
+    `rewards.judge.JudgeReward`, for `eval.reward: judge`) grades instead of a reward function,
+    reading each prompt as the policy saw it (decoded without special tokens), as in training."""
     kept, ids = [], []
     num_too_long = 0
     for problem in problems:
@@ -72,7 +75,14 @@ async def evaluate_dataset(
     if errors and len(errors) == sum(len(g) for g in samples):
         # Every request rejected means a wrong setting (sampling field, context), not bad data.
         raise SamplingError(f"{name}: the server rejected all {len(errors)} requests; first: {errors[0]}")
-    records, metrics = evaluate_records(kept, samples, config.reward, dataset=name)
+    judged = None
+    if judge is not None:
+        flat = [s for group in samples for s in group]
+        prompts = [tokenizer.decode(x, skip_special_tokens=True) for x, group in zip(ids, samples) for _ in group]
+        answers = [p.answer for p, group in zip(kept, samples) for _ in group]
+        judged = await judge.ascore(prompts, [s.text for s in flat], answers)
+    records, metrics = evaluate_records(kept, samples, config.reward, dataset=name, judged=judged,
+                                        drop_failed=judge is not None and judge.config.on_failure == "drop_group")
     metrics["num_prompts_skipped"] = float(num_too_long)
     metrics["sample_s"] = sample_s
     return records, metrics
@@ -86,8 +96,10 @@ async def run_evaluation(
     output_dir: Optional[Union[str, Path]] = None,
     step: Optional[int] = None,
     agent: Any = None,
+    judge: Any = None,
 ) -> dict[str, float]:
-    """Evaluate every dataset of `eval_config`; metrics as `eval/<dataset>/<metric>`.
+    """Evaluate every dataset of `eval_config`; metrics as `eval/<dataset>/<metric>`. `judge`: the
+    run's `rewards.judge.JudgeReward`, which grades when `eval.reward` is "judge" (ignored otherwise).
 
     `client` samples (a `RolloutClient`, or any object with `async generate(input_ids, sampling_params)`);
     run it on the client's event loop (`client.run(run_evaluation(client, ...))`).
@@ -96,11 +108,18 @@ async def run_evaluation(
     run's `rollout.agent.AgentLoop`) every response runs through the agent loop and its tools, and
     the metrics include `tool_call_rate`; `client` must then be a `RolloutClient`.
     """
+    from megatron_bapo.rewards.judge_config import JUDGE
+
+    if eval_config.reward == JUDGE and judge is None:
+        raise ValueError("eval.reward=judge grades with the run's judge servers (reward.judge); pass the judge "
+                         "(run_evaluation(judge=...)) or name a reward function")
+    judge = judge if eval_config.reward == JUDGE else None
     sampler = AgentSampler(client, agent, tokenizer) if agent is not None else as_sampler(client)
     out: dict[str, float] = {}
     for ds in eval_config.datasets:
         problems, num_bad = load_problems(ds.path, max_problems=eval_config.max_problems)
-        records, metrics = await evaluate_dataset(sampler, tokenizer, problems, eval_config, name=ds.name)
+        records, metrics = await evaluate_dataset(sampler, tokenizer, problems, eval_config, name=ds.name,
+                                                  judge=judge)
         metrics["num_rows_skipped"] = float(num_bad)
         if output_dir is not None:
             suffix = f".step{step}" if step is not None else ""
@@ -147,13 +166,15 @@ def evaluate_checkpoint(
     output_dir: Optional[Union[str, Path]] = None,
     server_kwargs: Optional[dict] = None,
     agent: Any = None,
+    judge: Any = None,
 ) -> dict[str, float]:
     """Evaluate an HF checkpoint directory on `config.datasets` (what `tools/evaluate.py` runs).
 
     Samples through `server_urls` (SGLang servers or a router serving this checkpoint) or, when
     none are given, a built-in server started on loopback and stopped afterwards. Writes
     `<output_dir>/<dataset>.jsonl` (per problem) and `<output_dir>/metrics.json`. With `agent` (a
-    `rollout.agent.AgentConfig` with tools) responses run through the agent loop and its tools.
+    `rollout.agent.AgentConfig` with tools) responses run through the agent loop and its tools. With
+    `judge` (a `rewards.judge.JudgeReward`) and `config.reward` "judge", the judge grades.
     """
     from transformers import AutoTokenizer
 
@@ -170,7 +191,8 @@ def evaluate_checkpoint(
 
                 loop = AgentLoop(agent, tokenizer)
             try:
-                metrics = client.run(run_evaluation(client, tokenizer, config, output_dir=output_dir, agent=loop))
+                metrics = client.run(run_evaluation(client, tokenizer, config, output_dir=output_dir, agent=loop,
+                                                    judge=judge))
             finally:
                 if loop is not None:
                     loop.close()

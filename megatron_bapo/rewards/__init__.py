@@ -6,7 +6,8 @@ Built-ins (explicit registry, imported lazily so `arithmetic` does not pull in s
 - "arithmetic": the tiny default's synthetic task (`megatron_bapo.rewards.arithmetic`);
 - "arithmetic_final": the same rule on the final answer after the last tool result (the tiny tool task).
 
-Any other spec must be "package.module:function". `score_batch` scores many responses and counts
+Any other spec must be "package.module:function"; "judge" (a judge model's verdict) is not a function
+but `rewards.judge.JudgeReward`, which the driver and evaluation call where a run config selects it. `score_batch` scores many responses and counts
 the ones that could not be judged, so bad samples show up in metrics instead of crashing a run.
 """
 
@@ -74,6 +75,9 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not isinstance(spec, str) or not spec.strip():
         raise RewardSpecError(f"reward spec must be a non-empty string, got {spec!r}")
     spec = spec.strip()
+    if spec == "judge":
+        raise RewardSpecError("reward 'judge' is a judge model's verdict, not a function: the judge servers of a "
+                              "run config's reward.judge score it (tools/evaluate.py: --judge-config RUN.yaml)")
     return _import_path(spec, BUILTIN_REWARDS.get(spec, spec))
 
 

@@ -19,8 +19,9 @@ class RewardResult:
 
     reward: float
     reason: str
-    """"correct", "wrong", "scored" (plugin reward), or a failure: "no_answer", "unparsable_answer",
-    "answer_too_long", "bad_reference", "timeout", "error", "invalid_reward"."""
+    """"correct", "wrong", "scored" (plugin reward, judge), or a failure: "no_answer", "unparsable_answer",
+    "answer_too_long", "bad_reference", "timeout", "error", "invalid_reward", and the judge's
+    "judge_timeout", "judge_unparseable", "judge_error" (`rewards.judge`)."""
     extracted: Optional[str] = None
     """The answer string taken from the response (None when none was found)."""
     failed: bool = False
@@ -34,7 +35,9 @@ class RewardResult:
         return self.reason in REWARD_FN_FAILURES
 
 
-REWARD_FN_FAILURES = frozenset({"error", "timeout", "invalid_reward"})
+REWARD_FN_FAILURES = frozenset({"error", "timeout", "invalid_reward", "judge_timeout", "judge_unparseable", "judge_error"})
+"""What the reward, not the response, failed at (a judge's missing verdict included): limited by
+`reward.max_failure_rate`."""
 
 
 DetailedRewardFn = Callable[[str, str], RewardResult]

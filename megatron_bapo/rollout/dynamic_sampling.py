@@ -106,7 +106,8 @@ class DynamicSampler:
     partial-rollout round (start groups for `prompts`, advance every buffered sample one segment;
     `only_aborted`: only the samples an abort cut) as a `RolloutRound` of the groups that finished.
     `score(groups)`: store each sample's reward, return the statistics (`experience.score_groups`;
-    run in a worker thread, off the event loop). `requeue(groups)`: put finished groups back at the
+    run in a worker thread, off the event loop); groups its `dropped_group_ids` names (a judge
+    verdict missing, `reward.judge.on_failure: drop_group`) are dropped in every mode. `requeue(groups)`: put finished groups back at the
     front of the buffer. `in_flight()`: the unfinished groups buffered (refill's draw counts them;
     None: the prompts this sampler drew that have not come back). `sample_metrics(samples)`: extra
     per-sample `rollout/*` means over the samples the step finished (the agent loop's turns and
@@ -204,8 +205,10 @@ class DynamicSampler:
                 step.counters[key] += value
         step.rejections += done.rejections
         fresh = [g for g in done.groups if any(s.reward is None for s in g.samples)]
+        lost: set[str] = set()
         if fresh:
             stats = await asyncio.get_running_loop().run_in_executor(None, self.score, fresh)
+            lost = set(getattr(stats, "dropped_group_ids", ()))
             if step.rewards is None:
                 step.rewards = stats
             else:
@@ -213,8 +216,10 @@ class DynamicSampler:
         step.scored += fresh
         fresh_ids = {id(g) for g in fresh}
         for g in done.groups:
-            self.forecast.group_finished(g.prompt.index, zero_variance(g), scored_now=id(g) in fresh_ids)
-            (step.dropped if self.mode != "off" and zero_variance(g) else step.kept).append(g)
+            unusable = g.group_id in lost or zero_variance(g)
+            self.forecast.group_finished(g.prompt.index, unusable, scored_now=id(g) in fresh_ids)
+            drop = g.group_id in lost or (self.mode != "off" and zero_variance(g))
+            (step.dropped if drop else step.kept).append(g)
         if self._interrupted and done.metrics.get("rollout/num_aborted_segments", 0) > 0:
             step.cut = True
 
@@ -234,13 +239,15 @@ class DynamicSampler:
                 out.update(self.sample_metrics(samples))
         if step.rewards is not None:
             out.update(step.rewards.metrics())
-        num_zero = sum(zero_variance(g) for g in step.scored)
+        lost = set(getattr(step.rewards, "dropped_group_ids", None) or ())  # no verdict: judge/num_groups_dropped
+        judged = [g for g in step.scored if g.group_id not in lost]
+        num_zero = sum(zero_variance(g) for g in judged)
         out["rollout/num_zero_variance_groups"] = float(num_zero)
-        if step.scored:
-            out["rollout/zero_variance_frac"] = num_zero / len(step.scored)
+        if judged:
+            out["rollout/zero_variance_frac"] = num_zero / len(judged)
         out["rollout/num_prompts_drawn"] = float(len(step.drawn))
         if self.mode != "off":
-            out["experience/num_groups_filtered"] = float(len(step.dropped))
+            out["experience/num_groups_filtered"] = float(sum(g.group_id not in lost for g in step.dropped))
         if self.mode == "refill":
             out["rollout/refill_rounds"] = float(step.refill_rounds)
             out["rollout/refill_prompts"] = float(step.num_refill_prompts)
