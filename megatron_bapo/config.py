@@ -26,9 +26,9 @@ from megatron_bapo.config_io import ConfigError, apply_overrides, from_dict, to_
 from megatron_bapo.data.config import DatasetConfig
 from megatron_bapo.eval.config import EvalConfig
 from megatron_bapo.rollout.agent import AgentConfig
-from megatron_bapo.rollout.config import PartialRolloutConfig, RolloutClientConfig
-from megatron_bapo.rollout.pool import required_server_flags
-from megatron_bapo.rollout.sglang_launch import SGLangLaunchConfig, check_cpu_support
+from megatron_bapo.rollout.config import ENGINES, PartialRolloutConfig, RolloutClientConfig
+from megatron_bapo.rollout.roles import ROLES, ServerRoleConfig, check_role_gpus
+from megatron_bapo.rollout.sglang_launch import SGLangLaunchConfig, check_cpu_support, required_server_flags
 from megatron_bapo.sync.config import SyncConfig
 
 
@@ -117,9 +117,6 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.hf_path:
             raise ConfigError("model.hf_path must be set to an HF checkpoint directory (tools/make_tiny.py makes one)")
-
-
-ENGINES = ("builtin", "sglang")
 
 
 @dataclass
@@ -296,11 +293,16 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    teacher: ServerRoleConfig = field(default_factory=ServerRoleConfig)
+    """The teacher's servers (on-policy distillation), beside the policy's; never weight-synced."""
+    judge: ServerRoleConfig = field(default_factory=ServerRoleConfig)
+    """A judge model's servers (model-graded rewards), beside the policy's; never weight-synced."""
     bapo_preset: Optional[str] = None
     """Named BAPO configuration; `actor.bapo.*` keys given explicitly override its fields."""
 
     def __post_init__(self) -> None:
         ro = self.rollout
+        check_role_gpus(ro.sglang.gpu_ids if ro.engine == "sglang" else None, {r: getattr(self, r) for r in ROLES})
         # Distributed sync, rollout ahead and no pause: each bucket's update waits for every in-flight
         # /generate (SGLang's writer lock; a 16k-token segment can outlast the group timeout) while the
         # trainer already broadcasts, and between buckets queued requests run on half-updated weights.
@@ -401,8 +403,9 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
 
 def dump_run_config(config: RunConfig) -> str:
     """The resolved config as YAML (written next to every run so it can be reproduced); a secret
-    (`rollout.client.api_key`) is masked, never written to the run directory."""
+    (`rollout.client.api_key`, a role's `client.api_key`) is masked, never written to the run directory."""
     data = to_dict(config)
-    if data["rollout"]["client"].get("api_key"):
-        data["rollout"]["client"]["api_key"] = "***"
+    for section in ("rollout", *ROLES):
+        if data[section]["client"].get("api_key"):
+            data[section]["client"]["api_key"] = "***"
     return yaml.safe_dump(data, sort_keys=False)

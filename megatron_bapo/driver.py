@@ -45,6 +45,7 @@ from megatron_bapo.metrics import MetricsWriter
 from megatron_bapo.run_state import CheckpointError, checkpoint_dir
 from megatron_bapo.rollout.batch import mask_stale_tokens
 from megatron_bapo.rollout.pool import ServerPool
+from megatron_bapo.rollout.roles import ROLES, close_role_pools, start_role_pools
 from megatron_bapo.rollout.state_tokens import TokenFile, gc_paused, in_background, snapshot
 from megatron_bapo.rollout.types import live_lists
 from megatron_bapo.sample_ledger import SampleLedger
@@ -66,6 +67,8 @@ class Driver:
         self.pool: Optional[ServerPool] = None
         """The servers (started or external), the one client, the served version; `client` is `pool.client`."""
         self.client: Any = None
+        self.roles: dict[str, ServerPool] = {}
+        """The pools beside the policy's (`teacher`, `judge`: `rollout.roles`), never weight-synced."""
         self.producer: Any = None
         self.agent: Any = None
         """The agent loop of multi-turn rollouts with tools (`rollout.agent`), None for single-turn."""
@@ -106,6 +109,8 @@ class Driver:
                                log_dir=self.output_dir / "logs", state_path=self.output_dir / "servers.json",
                                weight_version=version, vocab_size=int(hf_config.vocab_size))
         self.client = self.pool.start()
+        self.roles = start_role_pools({role: getattr(cfg, role) for role in ROLES}, seed=cfg.trainer.seed,
+                                      output_dir=self.output_dir, vocab_size=int(hf_config.vocab_size))
         self._check_context()
         lag = ro.num_segments - 1 + cfg.trainer.async_steps
         if ro.max_staleness is not None and ro.max_staleness < lag:
@@ -229,12 +234,13 @@ class Driver:
     def begin_stop(self) -> None:
         """The run is ending (called from the SIGTERM handler, before the teardown): every call to the
         servers from now on is one short attempt, never a retry against a dead port."""
-        for client in (self.client, self.pool.client if self.pool is not None else None):  # pool's: while starting
+        pools = [self.pool, *self.roles.values()] if self.pool is not None else []
+        for client in (self.client, *(pool.client for pool in pools)):  # a pool's: while starting
             if client is not None:
                 client.stopping = True
 
     def close(self) -> None:
-        """Stop producing, leave the weight group, stop the servers (by PID), close the writer."""
+        """Stop producing, leave the weight group, stop the servers (by PID; every role's), close the writer."""
         self.begin_stop()
         self._drop_unfinished_write()
         if self.producer is not None:
@@ -243,6 +249,7 @@ class Driver:
             self.agent.close()
         if self.pool is not None:
             self.pool.close()
+        close_role_pools(self.roles)
         if self.writer is not None:
             self.writer.close()
 
