@@ -22,6 +22,7 @@ import yaml
 from megatron_bapo.actor.config import ActorConfig
 from megatron_bapo.algorithms.checks import check_advantages
 from megatron_bapo.algorithms.config import BapoConfig
+from megatron_bapo.algorithms.distill import DistillConfig, check_distill
 from megatron_bapo.config_io import ConfigError, apply_overrides, from_dict, to_dict
 from megatron_bapo.data.config import DatasetConfig
 from megatron_bapo.eval.config import EvalConfig
@@ -297,6 +298,8 @@ class RunConfig:
     """The teacher's servers (on-policy distillation), beside the policy's; never weight-synced."""
     judge: ServerRoleConfig = field(default_factory=ServerRoleConfig)
     """A judge model's servers (model-graded rewards), beside the policy's; never weight-synced."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from `teacher` (`algorithms.distill`): acts only when the run has a teacher."""
     bapo_preset: Optional[str] = None
     """Named BAPO configuration; `actor.bapo.*` keys given explicitly override its fields."""
 
@@ -320,8 +323,11 @@ class RunConfig:
         if self.actor.routing_replay and not ro.return_routed_experts:
             raise ConfigError("actor.routing_replay=true replays the experts the rollout servers chose, which they "
                               "return only when asked: set rollout.return_routed_experts=true")
-        try:  # the advantage settings against the groups they are computed on (algorithms.checks)
-            check_advantages(self.advantage.estimator, self.advantage.eps, ro.group_size, ro.dynamic_sampling)
+        try:  # the advantage settings against the groups they are computed on (algorithms.checks, .distill)
+            check_distill(self.distill, has_teacher=self.teacher.enabled, temperature=ro.sampling.temperature,
+                          dynamic_sampling=ro.dynamic_sampling)
+            check_advantages(self.advantage.estimator, self.advantage.eps, ro.group_size, ro.dynamic_sampling,
+                             teacher_signal=self.teacher.enabled)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         batch = ro.prompts_per_step * ro.group_size

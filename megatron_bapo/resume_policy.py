@@ -211,6 +211,8 @@ POLICY: dict[str, tuple[str, str]] = {
                     "max_prompt_tokens", "max_problems", "concurrency")},
     "bapo_preset": (APPLIED, "fills the actor.bapo.* fields, each applied (and listed) as above"),
     **{f"{role}.{name}": (APPLIED, how) for role in ("teacher", "judge") for name, how in _ROLE_FIELDS.items()},
+    "distill.coef": (APPLIED, "the advantages of every batch built after the resume"),
+    "distill.reward_coef": (APPLIED, "the advantages of every batch built after the resume"),
 }
 SILENT = ("trainer.resume",)
 """Changed on every resume by its nature: no `resume:` line."""
