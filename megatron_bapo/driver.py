@@ -17,14 +17,15 @@ With `trainer.driver_process: true` this class runs in a process of its own on r
 rank 0 holds a `driver_process.DriverProcess`, which answers the same calls by asking it.
 
 The servers, the client and every call that reaches the servers (restarts, pauses, weight updates,
-the served version) belong to `rollout.pool.ServerPool`. On actor ranks above 0 a `Follower` holds
-the driver's place, so the trainer's loop has no rank branches around the sync.
+the served version) belong to `rollout.pool.ServerPool`; the pools of other models beside the
+policy's (`teacher`, `judge`) are started and closed with it (`rollout.roles`). On actor ranks above 0
+a `follower.Follower` holds the driver's place, so the trainer's loop has no rank branches around the sync.
 
 Rollout runs through `rollout.RolloutProducer`: with `trainer.async_steps` = 0 it produces each
 round when the trainer asks for it (the synchronous loop); with k > 0 it runs k rounds ahead. A round
 is `rollout.dynamic_sampling.DynamicSampler.produce`: it scores the groups that finished
-(`experience.score_groups`, the one place rewards are computed) and keeps, drops or refills per
-`rollout.dynamic_sampling`.
+(`experience.score_groups`, the one place rewards are computed; with a teacher also its log-probs,
+`rollout.teacher`) and keeps, drops or refills per `rollout.dynamic_sampling`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from megatron_bapo import run_record
 from megatron_bapo.config import RunConfig
 from megatron_bapo.config_io import ConfigError
 from megatron_bapo.experience import build_experience
+from megatron_bapo.follower import Follower  # noqa: F401 (the actor ranks' stand-in; imported from here)
 from megatron_bapo.logs import CONSOLE
 from megatron_bapo.metrics import MetricsWriter
 from megatron_bapo.run_state import CheckpointError, checkpoint_dir
@@ -47,9 +49,9 @@ from megatron_bapo.rollout.batch import mask_stale_tokens
 from megatron_bapo.rollout.pool import ServerPool
 from megatron_bapo.rollout.roles import ROLES, close_role_pools, start_role_pools
 from megatron_bapo.rollout.state_tokens import TokenFile, gc_paused, in_background, snapshot
+from megatron_bapo.rollout.teacher import TeacherScorer, check_same_tokenizer, scoring_with_teacher
 from megatron_bapo.rollout.types import live_lists
 from megatron_bapo.sample_ledger import SampleLedger
-from megatron_bapo.sync.export import NullSink
 
 logger = logging.getLogger(__name__)
 console = logging.getLogger(CONSOLE)
@@ -69,6 +71,8 @@ class Driver:
         self.client: Any = None
         self.roles: dict[str, ServerPool] = {}
         """The pools beside the policy's (`teacher`, `judge`: `rollout.roles`), never weight-synced."""
+        self.teacher: Optional[TeacherScorer] = None
+        """On-policy distillation's teacher (`rollout.teacher`), with a `teacher` section."""
         self.producer: Any = None
         self.agent: Any = None
         """The agent loop of multi-turn rollouts with tools (`rollout.agent`), None for single-turn."""
@@ -111,6 +115,7 @@ class Driver:
         self.client = self.pool.start()
         self.roles = start_role_pools({role: getattr(cfg, role) for role in ROLES}, seed=cfg.trainer.seed,
                                       output_dir=self.output_dir, vocab_size=int(hf_config.vocab_size))
+        self.teacher = TeacherScorer(self.roles["teacher"]) if "teacher" in self.roles else None
         self._check_context()
         lag = ro.num_segments - 1 + cfg.trainer.async_steps
         if ro.max_staleness is not None and ro.max_staleness < lag:
@@ -125,6 +130,8 @@ class Driver:
                                         agent=self.agent)
         self._score = functools.partial(score_groups, tokenizer=self.tokenizer, reward_cfg=cfg.reward,
                                         max_response_tokens=ro.max_response_tokens)
+        if self.teacher is not None:  # each finished group's teacher log-probs, next to its reward
+            self._score = scoring_with_teacher(self._score, self.teacher)
         self.sampler = DynamicSampler(
             mode=ro.dynamic_sampling, prompts_per_step=ro.prompts_per_step, max_refill_rounds=ro.max_refill_rounds,
             draw=lambda n: self.dataset.next_batch(n) if manager.ready_for_prompts() else [],
@@ -176,6 +183,8 @@ class Driver:
         if not Path(cfg.data.path).exists():
             raise ConfigError(f"data.path={cfg.data.path!r} does not exist")
         load_reward_fn(cfg.reward.fn)  # RewardSpecError naming reward.fn
+        if cfg.teacher.enabled:  # the teacher scores the student's token ids: one tokenizer, or refused
+            check_same_tokenizer(cfg.model.hf_path, cfg.teacher.model_path)
         for i, tool in enumerate(cfg.rollout.agent.tools):
             try:
                 load_tool_fn(tool.fn)
@@ -270,10 +279,13 @@ class Driver:
         unscored = [g for g in done.groups if any(s.reward is None for s in g.samples)]
         if unscored:  # rounds saved ahead by a checkpoint written before rewards moved to rollout time
             done.metrics.update(self._score(unscored).metrics())
+        distilled = self.teacher.complete(done) if self.teacher is not None else {}  # may drop groups
         batch, metrics = build_experience(done.groups, self.tokenizer, cfg.advantage,
                                           n_minibatches=cfg.actor.n_minibatches,
                                           temperature=cfg.rollout.sampling.temperature,
-                                          routed_experts_shape=self.routed_experts_shape)
+                                          routed_experts_shape=self.routed_experts_shape,
+                                          distill=cfg.distill if self.teacher is not None else None)
+        metrics.update(distilled)
         if batch is not None:  # staleness, per token, against the weights about to train them
             metrics.update(mask_stale_tokens(batch, version, cfg.rollout.max_staleness))
             if not bool((batch["loss_mask"] > 0).any()):
@@ -382,27 +394,3 @@ def _routing_shape(hf_path: str) -> tuple[int, int]:
         raise ConfigError(f"rollout.return_routed_experts=true, but model.hf_path={hf_path!r} is not a "
                           f"mixture-of-experts model (no num_experts_per_tok); set it to false")
     return int(hf.num_hidden_layers), int(top_k)
-
-
-class Follower:
-    """Holds the driver's place on actor ranks above 0: no servers, no data, no metrics. It answers
-    the loop's calls so the loop reads the same on every rank (its slice of the batch comes from
-    rank 0 through `actor.scatter`)."""
-
-    leads = False
-
-    def next_batch(self, step: int, version: int) -> tuple[None, dict[str, float]]:
-        return None, {}
-
-    @contextlib.contextmanager
-    def weight_update(self, version: int, probe: Any = None) -> Iterator[Any]:
-        yield NullSink()  # this rank takes part in the export's gathers; rank 0 delivers
-
-    def evaluate(self, step: int) -> dict[str, float]:
-        return {}
-
-    def begin_stop(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None

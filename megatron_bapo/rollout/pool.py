@@ -251,7 +251,8 @@ class ServerPool(WeightChecks):
         server = self.servers[i]
         if self.restarts[i] >= self.rollout.max_server_restarts:
             raise RolloutError(f"{self.kind} {server.url} {why_again} after {self.restarts[i]} restart(s) "
-                               f"(rollout.max_server_restarts); its log: {server.log_path}")
+                               f"({'rollout' if self.weight_synced else self.role}.max_server_restarts); its log: "
+                               f"{server.log_path}")
         self.restarts[i] += 1
         logger.warning("%s %s (pid %d) %s; restarting it (%d of %d)", self.kind, server.url, server.pid, why,
                        self.restarts[i], self.rollout.max_server_restarts)

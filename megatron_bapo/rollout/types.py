@@ -301,7 +301,8 @@ class RolloutRound:
     rejections: list[str] = field(default_factory=list)
     """The servers' messages for requests they rejected (4xx) in this round (their groups were dropped)."""
     dropped: list[RolloutGroup] = field(default_factory=list)
-    """Finished groups not trained because their rewards are all equal (`rollout.dynamic_sampling`)."""
+    """Finished groups not trained: their rewards are all equal (`rollout.dynamic_sampling`), or the
+    teacher could not score them (`rollout.teacher.TeacherScorer.complete`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompts": [p.to_dict() for p in self.prompts], "groups": [g.to_dict() for g in self.groups],
