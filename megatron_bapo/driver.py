@@ -198,20 +198,24 @@ class Driver:
                 load_reward_fn(cfg.eval.reward)
 
     def _check_context(self) -> None:
-        """The longest prompt plus `rollout.max_response_tokens` must fit every server's context;
-        otherwise every request would come back 400 and the run would train nothing."""
+        """The longest prompt plus `rollout.max_response_tokens` must fit every server's context (a
+        teacher's too, as the input of its prefill: one position more); otherwise every request would
+        come back 400 and the run would train nothing."""
         ro = self.config.rollout
         longest = max(len(p.prompt_ids) for p in self.dataset.prompts)
         prompt = max(longest, self.config.data.max_prompt_tokens or 0)
-        for url, info in self.client.run(self.client.aget_server_info()).items():
-            max_input = info.get("max_req_input_len")
-            ctx = info.get("context_length") or (max_input + 1 if max_input else None)
-            if ctx and prompt + ro.max_response_tokens > ctx:
-                raise ConfigError(
-                    f"rollout.max_response_tokens={ro.max_response_tokens} + the longest prompt ({prompt} tokens, "
-                    f"data.max_prompt_tokens={self.config.data.max_prompt_tokens}) = {prompt + ro.max_response_tokens} "
-                    f"exceeds the context length {ctx} of server {url}: every request would be rejected. Lower "
-                    f"rollout.max_response_tokens or data.max_prompt_tokens, or serve a longer context")
+        teacher = [(self.teacher.pool.client, 1, "teacher server")] if self.teacher is not None else []
+        for client, extra, kind in [(self.client, 0, "server"), *teacher]:
+            for url, info in client.run(client.aget_server_info()).items():
+                max_input = info.get("max_req_input_len")
+                ctx = info.get("context_length") or (max_input + 1 if max_input else None)
+                if ctx and prompt + ro.max_response_tokens + extra > ctx:
+                    raise ConfigError(
+                        f"rollout.max_response_tokens={ro.max_response_tokens} + the longest prompt ({prompt} tokens, "
+                        f"data.max_prompt_tokens={self.config.data.max_prompt_tokens}) = "
+                        f"{prompt + ro.max_response_tokens} exceeds the context length {ctx} of {kind} {url}"
+                        f"{' (less one: a prefill input)' if extra else ''}: every request would be rejected. Lower "
+                        f"rollout.max_response_tokens or data.max_prompt_tokens, or serve a longer context")
 
     def servers_hold_other_weights(self, version: int) -> bool:
         """Whether a server reports a weight version other than `version` (a fresh run's 0) before

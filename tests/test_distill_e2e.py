@@ -69,3 +69,20 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_start(assets, tmp_path):
     assert line.startswith("config error: ") and f"teacher.model_path='{other}'" in line, line
     assert f"model.hf_path='{assets[1]}'" in line and "another tokenizer" in line, line
     assert not (out / "teacher_servers.json").exists() and not (out / "servers.json").exists()
+
+
+def test_a_teacher_whose_context_cannot_hold_a_response_is_refused_at_start(assets, tmp_path):
+    """The teacher's prefill input is prompt + response: its context must hold the longest prompt
+    (data.max_prompt_tokens: 32) + rollout.max_response_tokens (6) as an input, one position more than
+    a generation needs: a context of exactly 38 is refused for the teacher (it would do for the policy)."""
+    from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
+
+    short = make_tiny_hf_checkpoint(tmp_path / "short_teacher", seed=1, max_position_embeddings=38)
+    out = tmp_path / "run"
+    proc = start_train(_config(assets, out, short), assets)
+    log = finish(proc)
+    assert proc.returncode == 2, log[-4000:]
+    line = last_line(log)
+    assert line.startswith("config error: rollout.max_response_tokens=6 + the longest prompt (32 tokens") and \
+        "= 38 exceeds the context length 38 of teacher server http://127.0.0.1:" in line and \
+        "(less one: a prefill input)" in line, line
