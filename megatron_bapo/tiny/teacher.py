@@ -64,7 +64,8 @@ def build_tiny_teacher(assets_dir, config: Optional[TeacherConfig] = None, *, fo
     root = pathlib.Path(assets_dir)
     info_path = root / "info.json"
     if not info_path.is_file():
-        raise FileNotFoundError(f"{root} has no info.json: build the tiny assets first (tools/make_tiny.py --out {root})")
+        raise FileNotFoundError(f"{root} has no info.json: build the tiny assets first "
+                                f"(tools/make_tiny.py --out {root})")
     info = json.loads(info_path.read_text(encoding="utf-8"))
     if info.get("task") != "addition":
         raise ValueError(f"{root}: a teacher is built for the addition task, these assets are {info.get('task')!r}")
