@@ -19,6 +19,8 @@
 # experts), TINY_TASK (addition, or tools when the config has rollout.agent.tools: the tool task).
 # Re-running resumes from the newest checkpoint in $OUT; pass trainer.resume=false (or delete $OUT)
 # to start over.
+# On-policy distillation from a stronger tiny teacher (built once next to the assets: make_tiny.py --teacher):
+#   CONFIG=examples/configs/tiny_distill.yaml bash examples/run_tiny_bapo.sh
 # Multi-turn with a calculator tool (3-digit multiplication):
 #   CONFIG=examples/configs/tiny_tools.yaml bash examples/run_tiny_bapo.sh
 # A tiny Qwen3-MoE with rollout routing replay:
@@ -52,13 +54,14 @@ else
 fi
 install_s=$((SECONDS - start))
 # Defaults from the config: the assets next to its model, its output directory, its task.
-read -r CFG_TINY_DIR CFG_OUT CFG_TASK < <("$PY" - "$CONFIG" <<'PYEOF'
+read -r CFG_TINY_DIR CFG_OUT CFG_TASK CFG_TEACHER < <("$PY" - "$CONFIG" <<'PYEOF'
 import os, sys, yaml
 cfg = yaml.safe_load(open(sys.argv[1])) or {}
 hf = (cfg.get("model") or {}).get("hf_path") or "runs/tiny_assets/base_model"
 tools = ((cfg.get("rollout") or {}).get("agent") or {}).get("tools")
+teacher = (cfg.get("teacher") or {}).get("model_path")
 print(os.path.dirname(hf.rstrip("/")) or ".", (cfg.get("trainer") or {}).get("output_dir") or "runs/tiny_bapo",
-      "tools" if tools else "addition")
+      "tools" if tools else "addition", "yes" if teacher else "no")
 PYEOF
 )
 TINY_DIR=${TINY_DIR:-$CFG_TINY_DIR}
@@ -73,12 +76,20 @@ if [ ! -f "$TINY_DIR/info.json" ]; then
   "$PY" tools/make_tiny.py --out "$TINY_DIR" --force --task "$TINY_TASK" ${TINY_ARCH:+--architecture "$TINY_ARCH"}
   assets="$((SECONDS - start)) s"
 fi
+teacher_args=()
+if [ "$CFG_TEACHER" = yes ]; then  # a distillation config: the teacher next to the base (a longer SFT)
+  if [ ! -f "$TINY_DIR/teacher_model/config.json" ]; then
+    "$PY" tools/make_tiny.py --out "$TINY_DIR" --teacher
+    assets="$((SECONDS - start)) s"
+  fi
+  teacher_args+=(teacher.model_path="$TINY_DIR/teacher_model")
+fi
 start=$SECONDS
 "$PY" -m megatron_bapo.train --config "$CONFIG" \
   model.hf_path="$TINY_DIR/base_model" \
   data.path="$TINY_DIR/data/train.jsonl" \
   "eval.datasets=[{name: tiny_test, path: $TINY_DIR/data/test.jsonl}]" \
-  trainer.output_dir="$OUT" "${engine_args[@]}" "$@"
+  trainer.output_dir="$OUT" "${engine_args[@]}" "${teacher_args[@]}" "$@"
 train_s=$((SECONDS - start))
 "$PY" tools/summarize_run.py "$OUT"
 echo "timings: install $install_s s, assets $assets, train $train_s s, total $SECONDS s"

@@ -186,7 +186,7 @@ config_value() {
 }
 
 # sync_server_flags CONFIG [OVERRIDE...]: sets SYNC_FLAGS, the server flags the weight sync and the
-# client rely on (megatron_bapo.rollout.pool.required_server_flags; the first weight update refuses
+# client rely on (megatron_bapo.rollout.sglang_launch.required_server_flags; the first weight update refuses
 # a server without them): --enable-deterministic-inference when rollout.deterministic_inference is
 # true (requests carry sampling seeds, ignored otherwise), --disable-radix-cache when
 # sync.pause_mode is in_place (the update cannot flush KV the old weights computed),

@@ -22,14 +22,15 @@ import yaml
 from megatron_bapo.actor.config import ActorConfig
 from megatron_bapo.algorithms.checks import check_advantages
 from megatron_bapo.algorithms.config import BapoConfig
+from megatron_bapo.algorithms.distill import DistillConfig, check_distill
 from megatron_bapo.config_io import ConfigError, apply_overrides, from_dict, to_dict
 from megatron_bapo.data.config import DatasetConfig
 from megatron_bapo.eval.config import EvalConfig
 from megatron_bapo.rewards.judge_config import JudgeConfig, check_judge_use
 from megatron_bapo.rollout.agent import AgentConfig
-from megatron_bapo.rollout.config import PartialRolloutConfig, RolloutClientConfig
-from megatron_bapo.rollout.pool import required_server_flags
-from megatron_bapo.rollout.sglang_launch import SGLangLaunchConfig, check_cpu_support
+from megatron_bapo.rollout.config import ENGINES, PartialRolloutConfig, RolloutClientConfig
+from megatron_bapo.rollout.roles import ROLES, ServerRoleConfig, check_role_gpus
+from megatron_bapo.rollout.sglang_launch import SGLangLaunchConfig, check_cpu_support, required_server_flags
 from megatron_bapo.sync.config import SyncConfig
 
 
@@ -118,9 +119,6 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.hf_path:
             raise ConfigError("model.hf_path must be set to an HF checkpoint directory (tools/make_tiny.py makes one)")
-
-
-ENGINES = ("builtin", "sglang")
 
 
 @dataclass
@@ -301,11 +299,18 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    teacher: ServerRoleConfig = field(default_factory=ServerRoleConfig)
+    """The teacher's servers (on-policy distillation), beside the policy's; never weight-synced."""
+    judge: ServerRoleConfig = field(default_factory=ServerRoleConfig)
+    """A judge model's servers (model-graded rewards), beside the policy's; never weight-synced."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from `teacher` (`algorithms.distill`): acts only when the run has a teacher."""
     bapo_preset: Optional[str] = None
     """Named BAPO configuration; `actor.bapo.*` keys given explicitly override its fields."""
 
     def __post_init__(self) -> None:
         ro = self.rollout
+        check_role_gpus(ro.sglang.gpu_ids if ro.engine == "sglang" else None, {r: getattr(self, r) for r in ROLES})
         # Distributed sync, rollout ahead and no pause: each bucket's update waits for every in-flight
         # /generate (SGLang's writer lock; a 16k-token segment can outlast the group timeout) while the
         # trainer already broadcasts, and between buckets queued requests run on half-updated weights.
@@ -325,8 +330,11 @@ class RunConfig:
         if self.actor.routing_replay and not ro.return_routed_experts:
             raise ConfigError("actor.routing_replay=true replays the experts the rollout servers chose, which they "
                               "return only when asked: set rollout.return_routed_experts=true")
-        try:  # the advantage settings against the groups they are computed on (algorithms.checks)
-            check_advantages(self.advantage.estimator, self.advantage.eps, ro.group_size, ro.dynamic_sampling)
+        try:  # the advantage settings against the groups they are computed on (algorithms.checks, .distill)
+            check_distill(self.distill, has_teacher=self.teacher.enabled, temperature=ro.sampling.temperature,
+                          dynamic_sampling=ro.dynamic_sampling)
+            check_advantages(self.advantage.estimator, self.advantage.eps, ro.group_size, ro.dynamic_sampling,
+                             teacher_signal=self.teacher.enabled)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         batch = ro.prompts_per_step * ro.group_size
@@ -408,8 +416,9 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
 
 def dump_run_config(config: RunConfig) -> str:
     """The resolved config as YAML (written next to every run so it can be reproduced); a secret
-    (`rollout.client.api_key`) is masked, never written to the run directory."""
+    (`rollout.client.api_key`, a role's `client.api_key`) is masked, never written to the run directory."""
     data = to_dict(config)
-    if data["rollout"]["client"].get("api_key"):
-        data["rollout"]["client"]["api_key"] = "***"
+    for section in ("rollout", *ROLES):
+        if data[section]["client"].get("api_key"):
+            data[section]["client"]["api_key"] = "***"
     return yaml.safe_dump(data, sort_keys=False)

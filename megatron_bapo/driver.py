@@ -17,14 +17,15 @@ With `trainer.driver_process: true` this class runs in a process of its own on r
 rank 0 holds a `driver_process.DriverProcess`, which answers the same calls by asking it.
 
 The servers, the client and every call that reaches the servers (restarts, pauses, weight updates,
-the served version) belong to `rollout.pool.ServerPool`. On actor ranks above 0 a `Follower` holds
-the driver's place, so the trainer's loop has no rank branches around the sync.
+the served version) belong to `rollout.pool.ServerPool`; the pools of other models beside the
+policy's (`teacher`, `judge`) are started and closed with it (`rollout.roles`). On actor ranks above 0
+a `follower.Follower` holds the driver's place, so the trainer's loop has no rank branches around the sync.
 
 Rollout runs through `rollout.RolloutProducer`: with `trainer.async_steps` = 0 it produces each
 round when the trainer asks for it (the synchronous loop); with k > 0 it runs k rounds ahead. A round
 is `rollout.dynamic_sampling.DynamicSampler.produce`: it scores the groups that finished
-(`experience.score_groups`, the one place rewards are computed) and keeps, drops or refills per
-`rollout.dynamic_sampling`.
+(`experience.score_groups`, the one place rewards are computed; with a teacher also its log-probs,
+`rollout.teacher`) and keeps, drops or refills per `rollout.dynamic_sampling`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from megatron_bapo import run_record
 from megatron_bapo.config import RunConfig
 from megatron_bapo.config_io import ConfigError
 from megatron_bapo.experience import build_experience
+from megatron_bapo.follower import Follower  # noqa: F401 (the actor ranks' stand-in; imported from here)
 from megatron_bapo.logs import CONSOLE
 from megatron_bapo.metrics import MetricsWriter
 from megatron_bapo.rewards.judge import log_step as log_judge_step, start_judge
@@ -47,10 +49,11 @@ from megatron_bapo.rewards.judge_config import JUDGE
 from megatron_bapo.run_state import CheckpointError, checkpoint_dir
 from megatron_bapo.rollout.batch import mask_stale_tokens
 from megatron_bapo.rollout.pool import ServerPool
+from megatron_bapo.rollout.roles import ROLES, close_role_pools, start_role_pools
 from megatron_bapo.rollout.state_tokens import TokenFile, TokenWrite, gc_paused, in_background, snapshot
+from megatron_bapo.rollout.teacher import TeacherScorer, check_same_tokenizer, scoring_with_teacher
 from megatron_bapo.rollout.types import live_lists
 from megatron_bapo.sample_ledger import SampleLedger
-from megatron_bapo.sync.export import NullSink
 
 logger = logging.getLogger(__name__)
 console = logging.getLogger(CONSOLE)
@@ -68,6 +71,10 @@ class Driver:
         self.pool: Optional[ServerPool] = None
         """The servers (started or external), the one client, the served version; `client` is `pool.client`."""
         self.client: Any = None
+        self.roles: dict[str, ServerPool] = {}
+        """The pools beside the policy's (`teacher`, `judge`: `rollout.roles`), never weight-synced."""
+        self.teacher: Optional[TeacherScorer] = None
+        """On-policy distillation's teacher (`rollout.teacher`), with a `teacher` section."""
         self.producer: Any = None
         self.agent: Any = None
         """The agent loop of multi-turn rollouts with tools (`rollout.agent`), None for single-turn."""
@@ -104,13 +111,18 @@ class Driver:
             for note in run_record.check_resume(state.get("run"), self.record, checkpoint or "the checkpoint"):
                 console.info("resume: %s", note)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
-        self.judge = start_judge(cfg.reward, cfg.eval, urls=cfg.reward.judge.urls, model_path=cfg.model.hf_path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
         self.routed_experts_shape = _routing_shape(cfg.model.hf_path) if ro.return_routed_experts else None
         self.pool = ServerPool(ro, cfg.sync, model_path=cfg.model.hf_path, seed=cfg.trainer.seed,
                                log_dir=self.output_dir / "logs", state_path=self.output_dir / "servers.json",
                                weight_version=version, vocab_size=int(hf_config.vocab_size))
         self.client = self.pool.start()
+        self.roles = start_role_pools({role: getattr(cfg, role) for role in ROLES}, seed=cfg.trainer.seed,
+                                      output_dir=self.output_dir, vocab_size=int(hf_config.vocab_size))
+        self.teacher = TeacherScorer(self.roles["teacher"]) if "teacher" in self.roles else None
+        judges = self.roles.get("judge")  # a `judge` section's servers, else reward.judge.urls (external ones)
+        self.judge = start_judge(cfg.reward, cfg.eval, urls=judges.client.config.urls if judges else cfg.reward.judge.urls,
+                                 model_path=cfg.judge.model_path if judges else cfg.model.hf_path)
         self._check_context()
         lag = ro.num_segments - 1 + cfg.trainer.async_steps
         if ro.max_staleness is not None and ro.max_staleness < lag:
@@ -126,6 +138,8 @@ class Driver:
         self._score = functools.partial(score_groups, tokenizer=self.tokenizer, reward_cfg=cfg.reward,
                                         max_response_tokens=ro.max_response_tokens,
                                         judge=self.judge if cfg.reward.fn == JUDGE else None)
+        if self.teacher is not None:  # each finished group's teacher log-probs, next to its reward
+            self._score = scoring_with_teacher(self._score, self.teacher)
         self.sampler = DynamicSampler(
             mode=ro.dynamic_sampling, prompts_per_step=ro.prompts_per_step, max_refill_rounds=ro.max_refill_rounds,
             draw=lambda n: self.dataset.next_batch(n) if manager.ready_for_prompts() else [],
@@ -178,6 +192,8 @@ class Driver:
             raise ConfigError(f"data.path={cfg.data.path!r} does not exist")
         if cfg.reward.fn != JUDGE:
             load_reward_fn(cfg.reward.fn)  # RewardSpecError naming reward.fn
+        if cfg.teacher.enabled:  # the teacher scores the student's token ids: one tokenizer, or refused
+            check_same_tokenizer(cfg.model.hf_path, cfg.teacher.model_path)
         for i, tool in enumerate(cfg.rollout.agent.tools):
             try:
                 load_tool_fn(tool.fn)
@@ -191,20 +207,24 @@ class Driver:
                 load_reward_fn(cfg.eval.reward)
 
     def _check_context(self) -> None:
-        """The longest prompt plus `rollout.max_response_tokens` must fit every server's context;
-        otherwise every request would come back 400 and the run would train nothing."""
+        """The longest prompt plus `rollout.max_response_tokens` must fit every server's context (a
+        teacher's too, as the input of its prefill: one position more); otherwise every request would
+        come back 400 and the run would train nothing."""
         ro = self.config.rollout
         longest = max(len(p.prompt_ids) for p in self.dataset.prompts)
         prompt = max(longest, self.config.data.max_prompt_tokens or 0)
-        for url, info in self.client.run(self.client.aget_server_info()).items():
-            max_input = info.get("max_req_input_len")
-            ctx = info.get("context_length") or (max_input + 1 if max_input else None)
-            if ctx and prompt + ro.max_response_tokens > ctx:
-                raise ConfigError(
-                    f"rollout.max_response_tokens={ro.max_response_tokens} + the longest prompt ({prompt} tokens, "
-                    f"data.max_prompt_tokens={self.config.data.max_prompt_tokens}) = {prompt + ro.max_response_tokens} "
-                    f"exceeds the context length {ctx} of server {url}: every request would be rejected. Lower "
-                    f"rollout.max_response_tokens or data.max_prompt_tokens, or serve a longer context")
+        teacher = [(self.teacher.pool.client, 1, "teacher server")] if self.teacher is not None else []
+        for client, extra, kind in [(self.client, 0, "server"), *teacher]:
+            for url, info in client.run(client.aget_server_info()).items():
+                max_input = info.get("max_req_input_len")
+                ctx = info.get("context_length") or (max_input + 1 if max_input else None)
+                if ctx and prompt + ro.max_response_tokens + extra > ctx:
+                    raise ConfigError(
+                        f"rollout.max_response_tokens={ro.max_response_tokens} + the longest prompt ({prompt} tokens, "
+                        f"data.max_prompt_tokens={self.config.data.max_prompt_tokens}) = "
+                        f"{prompt + ro.max_response_tokens} exceeds the context length {ctx} of {kind} {url}"
+                        f"{' (less one: a prefill input)' if extra else ''}: every request would be rejected. Lower "
+                        f"rollout.max_response_tokens or data.max_prompt_tokens, or serve a longer context")
 
     def servers_hold_other_weights(self, version: int) -> bool:
         """Whether a server reports a weight version other than `version` (a fresh run's 0) before
@@ -237,12 +257,13 @@ class Driver:
         """The run is ending (called from the SIGTERM handler, before the teardown): every call to the
         servers from now on is one short attempt, never a retry against a dead port."""
         judge = self.judge.client if self.judge is not None else None
-        for client in (self.client, self.pool.client if self.pool is not None else None, judge):  # pool's: starting
+        pools = [self.pool, *self.roles.values()] if self.pool is not None else []
+        for client in (self.client, *(pool.client for pool in pools), judge):  # a pool's: while starting
             if client is not None:
                 client.stopping = True
 
     def close(self) -> None:
-        """Stop producing, leave the weight group, stop the servers (by PID), close the writer."""
+        """Stop producing, leave the weight group, stop the servers (by PID; every role's), close the writer."""
         self.begin_stop()
         self._drop_unfinished_write()
         if self.producer is not None:
@@ -253,6 +274,7 @@ class Driver:
             self.judge.close()
         if self.pool is not None:
             self.pool.close()
+        close_role_pools(self.roles)
         if self.writer is not None:
             self.writer.close()
 
@@ -267,6 +289,8 @@ class Driver:
         cfg = self.config
         entered = time.monotonic()
         self.pool.ensure_alive()
+        for pool in self.roles.values():  # a teacher or judge server that died since: restarted (counted)
+            pool.ensure_alive()
         done, waited = self.pool.retry_after_restart(self.producer.next, before_retry=self.producer.restart)
         self._check_rejections(done)
         t0 = time.monotonic()
@@ -276,10 +300,13 @@ class Driver:
             done.metrics.update(stats.metrics())
             done.dropped += [g for g in done.groups if g.group_id in stats.dropped_group_ids]
             done.groups = [g for g in done.groups if g.group_id not in stats.dropped_group_ids]
+        distilled = self.teacher.complete(done) if self.teacher is not None else {}  # may drop groups
         batch, metrics = build_experience(done.groups, self.tokenizer, cfg.advantage,
                                           n_minibatches=cfg.actor.n_minibatches,
                                           temperature=cfg.rollout.sampling.temperature,
-                                          routed_experts_shape=self.routed_experts_shape)
+                                          routed_experts_shape=self.routed_experts_shape,
+                                          distill=cfg.distill if self.teacher is not None else None)
+        metrics.update(distilled)
         if batch is not None:  # staleness, per token, against the weights about to train them
             metrics.update(mask_stale_tokens(batch, version, cfg.rollout.max_staleness))
             if not bool((batch["loss_mask"] > 0).any()):
@@ -388,27 +415,3 @@ def _routing_shape(hf_path: str) -> tuple[int, int]:
         raise ConfigError(f"rollout.return_routed_experts=true, but model.hf_path={hf_path!r} is not a "
                           f"mixture-of-experts model (no num_experts_per_tok); set it to false")
     return int(hf.num_hidden_layers), int(top_k)
-
-
-class Follower:
-    """Holds the driver's place on actor ranks above 0: no servers, no data, no metrics. It answers
-    the loop's calls so the loop reads the same on every rank (its slice of the batch comes from
-    rank 0 through `actor.scatter`)."""
-
-    leads = False
-
-    def next_batch(self, step: int, version: int) -> tuple[None, dict[str, float]]:
-        return None, {}
-
-    @contextlib.contextmanager
-    def weight_update(self, version: int, probe: Any = None) -> Iterator[Any]:
-        yield NullSink()  # this rank takes part in the export's gathers; rank 0 delivers
-
-    def evaluate(self, step: int) -> dict[str, float]:
-        return {}
-
-    def begin_stop(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None

@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_bapo.algorithms import dr_grpo_advantages, grpo_advantages, uniform_group_mask
+from megatron_bapo.algorithms.distill import DistillConfig, distill_advantages, distill_metrics
 from megatron_bapo.rewards import BatchScores, score_batch
 from megatron_bapo.rewards.judge import METRIC as JUDGE_METRIC, judge_counts, lost_groups
 from megatron_bapo.rewards.overlong import overlong_penalty
@@ -153,6 +154,7 @@ def build_experience(
     n_minibatches: int = 1,
     temperature: float = 1.0,
     routed_experts_shape: Optional[tuple[int, int]] = None,
+    distill: Optional[DistillConfig] = None,
 ) -> tuple[Optional[dict[str, Any]], dict[str, float]]:
     """Advantages and tensors of the groups a step trains; returns (batch or None, `experience/*` metrics).
 
@@ -160,7 +162,10 @@ def build_experience(
     `rollout.dynamic_sampling` kept. `temperature` is the sampling temperature of the rollouts; the
     batch carries it (`batch["temperature"]`) so the actor computes log-probs of the same
     distribution the behavior log-probs came from. `routed_experts_shape` (num_layers, top_k): the
-    batch carries the samples' recorded MoE routing (`routed_experts`).
+    batch carries the samples' recorded MoE routing (`routed_experts`). `distill` (a run with a
+    teacher): the advantages are per token, `algorithms.distill.distill_advantages` of the sampler's
+    and the teacher's log-probs (`Sample.teacher_logprobs`) and the reward's advantage (`distill/*`
+    metrics); None: the reward's advantage on every token of a response.
     """
     metrics: dict[str, float] = {"experience/num_groups": float(len(groups))}
     if not groups:
@@ -190,4 +195,23 @@ def build_experience(
                         advantages=[float(advantages[i]) for i in keep_rows],
                         rewards=[float(rewards[i]) for i in keep_rows], routed_experts_shape=routed_experts_shape)
     batch["temperature"] = float(temperature)
+    if distill is not None:
+        teacher = _teacher_logprobs([samples[i] for i in keep_rows], batch["behavior_logprobs"])
+        batch["advantages"] = distill_advantages(batch["behavior_logprobs"], teacher, batch["advantages"],
+                                                 batch["loss_mask"], coef=distill.coef, reward_coef=distill.reward_coef)
+        metrics.update(distill_metrics(batch["behavior_logprobs"], teacher, batch["advantages"], batch["loss_mask"]))
     return batch, metrics
+
+
+def _teacher_logprobs(samples: Sequence[Any], like: torch.Tensor) -> torch.Tensor:
+    """`[B, T]` float32, each sample's teacher log-probs at its response positions (0 elsewhere), aligned
+    to the token as `build_batch`'s tensors."""
+    out = torch.zeros_like(like, dtype=torch.float32)
+    for b, s in enumerate(samples):
+        values = s.teacher_logprobs
+        if values is None or len(values) != len(s.response_ids):
+            raise ValueError(f"build_experience: sample {b} has {'no' if values is None else len(values)} teacher "
+                             f"log-probs for {len(s.response_ids)} response tokens (rollout.teacher.TeacherScorer)")
+        p = len(s.prompt_ids)
+        out[b, p:p + len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out

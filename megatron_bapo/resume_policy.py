@@ -30,6 +30,21 @@ _PARAM_GROUP = "set on every optimizer parameter group after the optimizer state
 _RESHARD = "megatron reshards model and optimizer state on load (one `resume: layout ...` line; RNG streams restart)"
 _PROMPTS = "decides the prompt list the saved data position indexes"
 
+_ROLE_FIELDS = {
+    "model_path": "the resumed run starts the pool with the new model; groups scored before the checkpoint keep "
+                  "what the old one gave them",
+    **{name: _SERVERS for name in ("engine", "num_servers", "builtin_server_dtype", "builtin_server_decode_delay_ms",
+                                   "client.urls", "client.router_url", "client.max_concurrency")},
+    **{f"sglang.{name}": _SERVERS for name in ("python", "device", "gpu_ids", "tp_size", "dtype",
+                                               "mem_fraction_static", "max_total_tokens", "extra_args")},
+    **{f"client.{name}": _LIVE for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s",
+                                            "max_retries", "backoff_s", "backoff_max_s", "unhealthy_cooldown_s",
+                                            "health_timeout_s", "flush_cache_timeout_s")},
+    "client.api_key": "never recorded (masked); whatever is set now is sent",
+    "max_server_restarts": _LIVE,
+}
+"""What a resume does with a changed field of a role's pool (`teacher`, `judge`): all applied."""
+
 POLICY: dict[str, tuple[str, str]] = {
     "model.hf_path": (REFUSED, "refused when its weights differ from the checkpoint's initial model (a fingerprint of "
                                "a few tensors' bytes, and the architecture and shapes); the same weights at another "
@@ -201,6 +216,9 @@ POLICY: dict[str, tuple[str, str]] = {
        for name in ("every_n_steps", "datasets", "n", "temperature", "top_p", "max_new_tokens", "reward",
                     "max_prompt_tokens", "max_problems", "concurrency")},
     "bapo_preset": (APPLIED, "fills the actor.bapo.* fields, each applied (and listed) as above"),
+    **{f"{role}.{name}": (APPLIED, how) for role in ("teacher", "judge") for name, how in _ROLE_FIELDS.items()},
+    "distill.coef": (APPLIED, "the advantages of every batch built after the resume"),
+    "distill.reward_coef": (APPLIED, "the advantages of every batch built after the resume"),
 }
 SILENT = ("trainer.resume",)
 """Changed on every resume by its nature: no `resume:` line."""

@@ -183,12 +183,13 @@ def read_machine_header(text: str) -> Optional[dict[str, Any]]:
 
 
 def config_record(config: Any) -> dict[str, Any]:
-    """The resolved config as `{dotted field: value}`, JSON-safe, the API key left out."""
+    """The resolved config as `{dotted field: value}`, JSON-safe, the API keys left out."""
     from megatron_bapo.config_io import to_dict
     from megatron_bapo.resume_policy import flatten
 
     flat = flatten(json.loads(json.dumps(to_dict(config))))
-    flat.pop("rollout.client.api_key", None)
+    for section in ("rollout", "teacher", "judge"):
+        flat.pop(f"{section}.client.api_key", None)
     return flat
 
 

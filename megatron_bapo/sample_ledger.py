@@ -8,8 +8,8 @@ from typing import Any, Optional
 
 
 class SampleLedger:
-    """`samples.jsonl`: per step, the prompts drawn, the groups trained and the groups dropped for equal
-    rewards (`rollout.dynamic_sampling`) (rank 0).
+    """`samples.jsonl`: per step, the prompts drawn, the groups trained and the groups dropped (equal
+    rewards under `rollout.dynamic_sampling`, or no teacher log-probs: `rollout.teacher`) (rank 0).
 
     Lets a user (and the kill-and-resume test) check that no prompt is lost or trained twice across
     restarts: a resumed run first drops the killed run's lines after its checkpoint. With rollout

@@ -4,8 +4,8 @@ Every test runs on both engines (`builtin`: `python -m megatron_bapo.server`; `s
 own `sglang.launch_server` on CPU, from `.venv-sglang`), one server per engine for the module,
 started (and restarted) by the run's own `ServerPool` (`rollout.engine`) with an API key. Tokens,
 log-probs and versions are checked against a transformers forward of the weights the server should
-be serving. The in_place pause
-needs a server without radix cache: `tests/test_server_contract_inplace.py`.
+be serving (a teacher's prefill log-probs and its restart mid-scoring too: `teacher_contract.py`, run
+last). The in_place pause needs a server without radix cache: `tests/test_server_contract_inplace.py`.
 """
 
 from __future__ import annotations
@@ -401,3 +401,9 @@ def test_what_a_dead_trainer_left_is_cleared_before_the_next_join(served):
     r = client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True})
     assert r.versions == [version] * 6
     check_logprobs(served, PROMPT, r, path=served.model_a)
+
+
+# The teacher's side of the contract (`teacher_contract.py`): collected here, last, on this module's servers.
+from teacher_contract import test_teacher_prefill_log_probs_equal_a_transformers_forward  # noqa: E402,F401,I001
+from teacher_contract import test_a_teacher_server_killed_mid_scoring_is_restarted_and_the_scoring_retried  # noqa
+

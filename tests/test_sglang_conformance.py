@@ -242,3 +242,24 @@ def test_an_end_without_session_is_only_the_clearing_before_a_join(tmp_path, tin
         violations = report["violations"]
         assert len(violations) == bad, (name, violations)
         assert all("#0 POST /end_weight_update: no weight-update session is open" in v for v in violations), violations
+
+
+def test_a_teacher_prefill_conforms_and_a_start_sglang_would_refuse_is_named(tmp_path, tiny_hf_dir):
+    """The teacher's prefill (`rollout.prefill.prefill_request`: `max_new_tokens` 0, `return_logprob`,
+    `logprob_start_len` one before the response) passes the pinned SGLang's gate, `GenerateReqInput` and
+    `SamplingParams`; a start past the input (the scheduler aborts it) or without `return_logprob` (reset
+    to -1: no input log-probs) is named. What the reply holds: `teacher_contract.py`, live."""
+    from transformers import AutoConfig
+
+    from megatron_bapo.rollout.prefill import prefill_request
+
+    good = {**prefill_request([5, 6, 7], [8, 9]), "rid": "c" * 32}
+    rows = [{"method": "POST", "path": "/generate", "body": body}
+            for body in (good, {**good, "logprob_start_len": 6}, {**good, "return_logprob": False})]
+    records = tmp_path / "prefill.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = check_records(records, AutoConfig.from_pretrained(tiny_hf_dir).vocab_size)
+    assert report["checked"] == 3 and len(report["violations"]) == 2, report["violations"]
+    first, second = report["violations"]
+    assert first.startswith("#1 POST /generate: logprob_start_len=6 outside [0, 5]"), first
+    assert second.startswith("#2 POST /generate: logprob_start_len=2 without return_logprob"), second

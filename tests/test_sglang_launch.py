@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_bapo.config_io import ConfigError
-from megatron_bapo.rollout.pool import required_server_flags
+from megatron_bapo.rollout.sglang_launch import required_server_flags
 from megatron_bapo.rollout.sglang_launch import BOOT, SGLangLaunchConfig, server_gpus, sglang_command
 
 FAKE_SERVER = Path(__file__).with_name("fake_server.py")

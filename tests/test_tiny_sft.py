@@ -191,3 +191,32 @@ def test_building_the_tiny_assets_twice_gives_identical_files(built, tmp_path):
     infos = [json.loads((root / "info.json").read_text()) for root in (first, tmp_path / "again")]
     assert infos[0]["sft"]["curve"] and infos[0]["base_accuracy"]["num_problems"] > 0
     assert _without_timings(infos[0]) == _without_timings(infos[1])
+
+
+def test_make_tiny_adds_a_teacher_with_the_students_tokenizer_to_built_assets(built, tmp_path):
+    """`--teacher` on complete assets builds only OUT/teacher_model: the base's SFT continued (here a few
+    steps), the base untouched, the student's tokenizer (what a distillation run checks at start), its
+    accuracies in info.json; a second build is refused without --force."""
+    import shutil
+
+    from megatron_bapo.rollout.teacher import check_same_tokenizer
+
+    out = tmp_path / "tiny"
+    shutil.copytree(built[0], out)
+    base = (out / "base_model" / "model.safetensors").read_bytes()
+    args = ["--out", str(out), "--teacher", "--teacher-sft-steps", "3", "--teacher-target-accuracy", "none",
+            "--num-eval", "20"]
+    cmd = [sys.executable, str(REPO / "tools" / "make_tiny.py"), *args]
+    run = lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=300,  # noqa: E731
+                                 env=dict(os.environ, PYTHONPATH=str(REPO)))
+    proc = run()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    teacher = json.loads((out / "info.json").read_text())["teacher"]
+    assert summary["teacher_sft_steps"] == teacher["sft"]["num_steps"] == 3
+    assert teacher["sft"]["stopped_because"] == "max_steps" and teacher["accuracy"]["num_problems"] == 20
+    assert (out / "base_model" / "model.safetensors").read_bytes() == base
+    assert (out / "teacher_model" / "model.safetensors").read_bytes() != base
+    check_same_tokenizer(str(out / "base_model"), str(out / "teacher_model"))
+    again = run()
+    assert again.returncode == 2 and "--force" in again.stderr

@@ -7,8 +7,13 @@ info.json} (info.json also names the machine: the same seeds give other weights 
                               [--num-eval N] [--force]
     python tools/make_tiny.py --out runs/tiny_moe_assets --architecture qwen3_moe   # a tiny Qwen3-MoE
     python tools/make_tiny.py --out runs/tiny_tools_assets --task tools   # multiplication with a calculator tool
+    python tools/make_tiny.py --out runs/tiny_assets --teacher   # + OUT/teacher_model: a longer SFT to distill from
 
-A thin CLI over `megatron_bapo.tiny.build.build_tiny_assets`.
+With --teacher and complete assets in OUT (info.json), only the teacher is built (`tiny.teacher`:
+the base's SFT continued without looped examples to --teacher-target-accuracy); otherwise the assets
+first, then the teacher.
+
+A thin CLI over `megatron_bapo.tiny.build.build_tiny_assets` and `megatron_bapo.tiny.teacher.build_tiny_teacher`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import dataclasses
 import json
 import logging
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -54,9 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task", default="addition", choices=["addition", "tools"],
                         help="addition (default: reversed-digit addition) or tools (3-digit multiplication, "
                              "a calculator call in 30%% of the SFT examples; examples/configs/tiny_tools.yaml)")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a non-empty --out (with --teacher and complete assets: the teacher only)")
+    parser.add_argument("--teacher", action="store_true",
+                        help="also build OUT/teacher_model, a stronger model to distill from (the base's SFT "
+                             "continued without looped examples; examples/configs/tiny_distill.yaml)")
+    parser.add_argument("--teacher-target-accuracy", type=_target, default="default",
+                        help="the teacher's SFT stops at this greedy validation accuracy, or 'none' "
+                             "(default: TeacherConfig.target_accuracy, 0.8)")
+    parser.add_argument("--teacher-sft-steps", type=int, default=None,
+                        help="most SFT steps of the teacher on top of the base's (default: TeacherConfig.max_steps)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.teacher and (Path(args.out) / "info.json").is_file():
+        return _teacher(args)
 
     config = TinyAssetsConfig.tools(seed=args.seed) if args.task == "tools" else TinyAssetsConfig(seed=args.seed)
     if args.architecture is not None:
@@ -93,6 +110,28 @@ def main(argv: list[str] | None = None) -> int:
     summary["sft_stopped_because"] = info["sft"]["stopped_because"]
     summary["machine"] = describe_machine(info["machine"])
     print(json.dumps(summary))
+    return _teacher(args) if args.teacher else 0
+
+
+def _teacher(args: argparse.Namespace) -> int:
+    """Build OUT/teacher_model from the complete assets in OUT; print its summary line."""
+    from megatron_bapo.tiny.teacher import TeacherConfig, build_tiny_teacher
+
+    config = TeacherConfig(num_eval=args.num_eval)
+    if args.teacher_target_accuracy != "default":
+        config.target_accuracy = args.teacher_target_accuracy
+    if args.teacher_sft_steps is not None:
+        config.max_steps = args.teacher_sft_steps
+    bar = tqdm(total=config.max_steps, desc="teacher SFT", unit="step", file=sys.stderr, mininterval=1.0)
+    try:
+        record = build_tiny_teacher(args.out, config, force=args.force, on_step=lambda step, loss: bar.update(1))
+    except (OutputExistsError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+    print(json.dumps({"teacher_accuracy": record["accuracy"], "teacher_sft_steps": record["sft"]["num_steps"],
+                      "teacher_sft_stopped_because": record["sft"]["stopped_because"]}))
     return 0
 
 

@@ -28,6 +28,8 @@ flush (explicit or an update's default `flush_cache: true`) while paused in plac
 only when the server runs with `--enable-deterministic-inference` (it is ignored otherwise);
 `return_routed_experts` only when it runs with `--enable-return-routed-experts` (ignored otherwise: no
 routing comes back) and with `routed_experts_start_len` in `[0, len(input_ids)]` (refused otherwise).
+`logprob_start_len` (a prefill's input log-probs: `rollout.prefill`) only with `return_logprob` (reset to
+-1 otherwise) and in `[0, len(input_ids)]` (`Scheduler.handle_generate_request` aborts the request above it).
 """
 
 from __future__ import annotations
@@ -235,6 +237,14 @@ class Checker:
         if "sampling_seed" in params and self.deterministic is not True:
             errors.append(f"{where}: sampling_seed sent to a server without --enable-deterministic-inference "
                           f"(SGLang ignores it there)")
+        start, ids = body.get("logprob_start_len", -1), body.get("input_ids")
+        if start not in (None, -1):
+            if not body.get("return_logprob"):
+                errors.append(f"{where}: logprob_start_len={start} without return_logprob (the scheduler resets it "
+                              f"to -1: no input log-probs come back)")
+            if isinstance(ids, list) and isinstance(start, int) and not 0 <= start <= len(ids):
+                errors.append(f"{where}: logprob_start_len={start} outside [0, {len(ids)}] (the scheduler aborts the "
+                              f"request)")
         if body.get("return_routed_experts"):
             if self.routed_experts is not True:
                 errors.append(f"{where}: return_routed_experts sent to a server without --enable-return-routed-experts "

@@ -7,6 +7,7 @@
   BAPO's balance applied to DPPO's and CISPO's trust regions; `Objective`: `actor.policy_loss`.
 - `importance_weights` / `CorrectionConfig`: TIS / MIS / seq-MIS corrections for a recomputed old policy.
 - `grpo_advantages`: group-normalised advantages (GRPO, Dr. GRPO).
+- `distill.distill_advantages`: on-policy distillation's per-token advantage from a teacher's log-probs.
 """
 
 from megatron_bapo.algorithms.advantages import dr_grpo_advantages, grpo_advantages, uniform_group_mask

@@ -83,9 +83,12 @@ def check_objective(name: str, bapo: BapoConfig, dppo: DppoConfig = DppoConfig()
             f"bapo_preset: grpo")
 
 
-def check_advantages(estimator: str, eps: float, group_size: int, dynamic_sampling: str) -> None:
-    """Raise ValueError (naming the fields) for advantage settings that give no signal or NaN."""
-    if group_size < 2:
+def check_advantages(estimator: str, eps: float, group_size: int, dynamic_sampling: str, *,
+                     teacher_signal: bool = False) -> None:
+    """Raise ValueError (naming the fields) for advantage settings that give no signal or NaN.
+    `teacher_signal`: every token also gets a teacher's advantage (`algorithms.distill`), which
+    needs no group."""
+    if group_size < 2 and not teacher_signal:
         raise ValueError(
             f"rollout.group_size={group_size}: group-relative advantages ({estimator}) of a group of one are 0, so "
             f"nothing would train; use rollout.group_size >= 2 (the recipes use 8-16)")

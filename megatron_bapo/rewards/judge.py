@@ -208,7 +208,8 @@ def open_judge(config: JudgeConfig, urls: Sequence[str], *, tokenizer_path: str)
 
     if not urls:
         raise ConfigError("reward.judge.urls is empty: list the judge servers (http://host:port) that serve the "
-                          "judge model (reward.fn=judge or eval.reward=judge)")
+                          "judge model (reward.fn=judge or eval.reward=judge), or give a `judge` section "
+                          "(judge.model_path) and the run starts them")
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     except (OSError, ValueError) as exc:

@@ -21,8 +21,9 @@ Why this shape:
   every control call has a plain method (`update_weights_from_disk`) next to its coroutine
   (`aupdate_weights_from_disk`); `submit(coro)` starts one without waiting (a weight update posted
   while the calling thread joins the broadcast it announces).
-- This is the project's one client of the servers: rollout, weight sync and evaluation all go
-  through it, with one session per event loop and one retry policy (`_backoff`, control.py).
+- This is the project's one client of the servers: rollout, weight sync, evaluation and a
+  teacher's prefill log-probs (`prefill.py`) all go through it, with one session per event loop
+  and one retry policy (`_backoff`, control.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from megatron_bapo.rollout import concurrency
 from megatron_bapo.rollout.config import SAMPLING_KEYS, RolloutClientConfig
 from megatron_bapo.rollout.control import ControlMixin
 from megatron_bapo.rollout.errors import ProtocolError, RequestRejected, RolloutError
+from megatron_bapo.rollout.prefill import PrefillMixin
 from megatron_bapo.rollout.protocol import aborted_result, parse_generate_reply
 from megatron_bapo.rollout.types import GenerateResult
 
@@ -53,6 +55,8 @@ API_KEY_ENV = "ROLLOUT_API_KEY"
 """Environment variable holding the servers' API key when `RolloutClientConfig.api_key` is unset."""
 # Statuses worth retrying elsewhere even though they are 4xx: timeouts and rate limits.
 _RETRYABLE_4XX = frozenset({408, 429})
+RETRIED = (aiohttp.ClientError, asyncio.TimeoutError, ProtocolError, OSError)
+"""What a `/generate` attempt may fail with and be retried on another server after (`_attempt_failed`)."""
 
 
 class _LoopThread:
@@ -78,7 +82,7 @@ class _LoopThread:
             self.loop.close()
 
 
-class RolloutClient(ControlMixin, concurrency.ConcurrencyMixin):
+class RolloutClient(ControlMixin, PrefillMixin, concurrency.ConcurrencyMixin):
     """`await client.agenerate(ids, params)` in a loop, or sync control calls from the trainer.
 
     Use as a context manager or call `close()`; `async` users in their own loop call `aclose()`.
@@ -303,21 +307,29 @@ class RolloutClient(ControlMixin, concurrency.ConcurrencyMixin):
                 except RequestRejected:
                     self.stats["num_rejected"] += 1
                     raise
-                except (aiohttp.ClientError, asyncio.TimeoutError, ProtocolError, OSError) as exc:
+                except RETRIED as exc:
                     last_error = exc
-                    self._mark_unhealthy(url, repr(exc))
-                    code = self._exit_code(url)
-                    if code is not None and not self.healthy_urls():
-                        raise RolloutError(f"/generate on {url} failed: its server process died (exit code {code}) "
-                                           f"and no other server is healthy; {exc!r}") from exc
-                    logger.debug("generate on %s failed (attempt %d/%d): %r", url, attempt + 1,
-                                 self.config.max_retries + 1, exc)
-                    if isinstance(exc, asyncio.TimeoutError):
-                        asyncio.ensure_future(self._abort_quietly(url, rid))
+                    self._attempt_failed(url, rid, exc, attempt)
+        raise self._out_of_retries("/generate", last_url, last_error)
+
+    def _attempt_failed(self, url: str, rid: str, exc: BaseException, attempt: int) -> None:
+        """One failed `/generate` attempt (`RETRIED`): the server gets no new work for a cooldown, a timed-out
+        request is aborted there, and a request whose server process died while no other server is
+        healthy ends at once (RolloutError with the exit code: every retry would fail the same way)."""
+        self._mark_unhealthy(url, repr(exc))
+        code = self._exit_code(url)
+        if code is not None and not self.healthy_urls():
+            raise RolloutError(f"/generate on {url} failed: its server process died (exit code {code}) "
+                               f"and no other server is healthy; {exc!r}") from exc
+        logger.debug("generate on %s failed (attempt %d/%d): %r", url, attempt + 1, self.config.max_retries + 1, exc)
+        if isinstance(exc, asyncio.TimeoutError):
+            asyncio.ensure_future(self._abort_quietly(url, rid))
+
+    def _out_of_retries(self, what: str, last_url: Optional[str], last_error: Optional[BaseException]) -> RolloutError:
         down = [u for u in self.config.urls if self._unhealthy_until[u] > time.monotonic()]
         detail = str(last_error) if isinstance(last_error, ProtocolError) else repr(last_error)
-        raise RolloutError(f"/generate failed after {self.config.max_retries + 1} attempts, the last on {last_url}: "
-                           f"{detail}; servers failing now: {down or [last_url]}")
+        return RolloutError(f"{what} failed after {self.config.max_retries + 1} attempts, the last on {last_url}: "
+                            f"{detail}; servers failing now: {down or [last_url]}")
 
     async def _send(self, session: aiohttp.ClientSession, url: str, rid: str, payload: dict) -> GenerateResult:
         """`_post_generate`, cut short (an abort with no tokens) when a pause found it held unrun by a paused server."""
@@ -334,7 +346,10 @@ class RolloutClient(ControlMixin, concurrency.ConcurrencyMixin):
         finally:
             self._sent.pop(rid, None)
 
-    async def _post_generate(self, session: aiohttp.ClientSession, url: str, rid: str, payload: dict) -> GenerateResult:
+    async def _post_generate(self, session: aiohttp.ClientSession, url: str, rid: str, payload: dict,
+                             parse: Optional[Callable[[Any, str, str], Any]] = None) -> Any:
+        """POST one `/generate`; its reply checked by `parse(body, rid, url)` (default
+        `protocol.parse_generate_reply`; a prefill's: `prefill.parse_prefill_reply`)."""
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
         self.stats["num_requests"] += 1
         if url in self._in_flight:
@@ -349,6 +364,8 @@ class RolloutClient(ControlMixin, concurrency.ConcurrencyMixin):
                             body = await resp.json(content_type=None)
                         except ValueError as exc:
                             raise ProtocolError(f"{url}/generate replied 200 with non-JSON {text[:200]!r}") from exc
+                        if parse is not None:
+                            return parse(body, rid, url)
                         return parse_generate_reply(body, rid=rid, url=url, vocab_size=self.vocab_size,
                                                     max_new_tokens=payload["sampling_params"].get("max_new_tokens"),
                                                     max_version=self.max_weight_version)

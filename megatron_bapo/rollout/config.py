@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+ENGINES = ("builtin", "sglang")
+"""The servers a run can start itself (`rollout.engine`, and every role's `engine`)."""
+
 # sampling_params keys the client forwards. SGLang 0.5.2-0.5.15 answer an unknown key with a 500
 # (an uncaught TypeError) and 0.5.23 with a 400, so unknown keys are rejected here, by name.
 SAMPLING_KEYS = frozenset(

@@ -10,6 +10,9 @@
     pool.retry_after_restart(call)       # call(); if it failed because a server it started died: restart, call again
     pool.close()                         # abort in flight, leave the weight group, stop the servers it started
 
+Roles: this class runs every pool (`role`): the policy's, and other models' (`rollout.roles`: teacher,
+judge), which are never weight-synced: `update` is refused, no weight group, version 0 throughout.
+
 Which servers? With `rollout.client.urls` (or `router_url`) empty the pool starts
 `rollout.num_builtin_servers` of `rollout.engine`: built-in servers, or real SGLang servers
 (`rollout.sglang_launch`: CPU, or the GPUs `rollout.sglang.gpu_ids` names), each with the flags
@@ -54,6 +57,7 @@ from megatron_bapo.config_io import ConfigError
 from megatron_bapo.rollout.client import API_KEY_ENV, RolloutClient
 from megatron_bapo.rollout.errors import RolloutError
 from megatron_bapo.rollout.server_layout import weight_group_ranks
+from megatron_bapo.rollout.sglang_launch import required_server_flags
 from megatron_bapo.rollout.pool_checks import WeightChecks
 from megatron_bapo.sync.verify import Probe, ResendWeights, Verifier
 from megatron_bapo.weight_update import flushes_cache
@@ -64,23 +68,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def required_server_flags(*, deterministic_inference: bool, pause_mode: Optional[str],
-                          routed_experts: bool = False) -> list[str]:
-    """SGLang launch flags the run relies on: `--enable-deterministic-inference` when requests carry a
-    `sampling_seed` (SGLang ignores the seed without it), `--disable-radix-cache` under the "in_place"
-    pause (the update cannot flush KV the old weights computed, so no cache may keep it),
-    `--enable-return-routed-experts` when requests ask for the MoE routing (ignored without it; the
-    client then stops the run naming the flag)."""
-    flags = []
-    if deterministic_inference:
-        flags.append("--enable-deterministic-inference")
-    if pause_mode == "in_place":
-        flags.append("--disable-radix-cache")
-    if routed_experts:
-        flags.append("--enable-return-routed-experts")
-    return flags
+POLICY = "policy"
+"""The role of the pool whose servers serve the policy being trained (the only weight-synced one)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,13 +86,15 @@ class ServerPool(WeightChecks):
 
     def __init__(self, rollout: "RolloutConfig", sync: Optional["SyncConfig"] = None, *, model_path: str, seed: int,
                  log_dir: Path, state_path: Path, vocab_size: Optional[int] = None,
-                 weight_version: Optional[int] = None) -> None:
+                 weight_version: Optional[int] = None, role: str = POLICY) -> None:
         """`rollout`: the servers, the client and the flags requests rely on (`deterministic_inference`,
-        `return_routed_experts`); `sync`: how updates reach the servers (default `SyncConfig()`).
-        `vocab_size` and `weight_version` (the trainer's version at start) bound what the client
-        accepts in replies (`protocol.parse_generate_reply`)."""
+        `return_routed_experts`): the `rollout` section or a `rollout.roles.ServerRoleConfig`; `sync`: how
+        updates reach the servers (default `SyncConfig()`). `vocab_size` and `weight_version` (the
+        trainer's version at start) bound what the client accepts in replies (`protocol.parse_generate_reply`).
+        `role`: "policy" (weight-synced) or another model's pool (never: module docstring)."""
         from megatron_bapo.sync.config import SyncConfig
 
+        self.role, self.weight_synced = role, role == POLICY  # only the policy's servers are updated
         self.rollout, self.sync = rollout, sync or SyncConfig()
         self.vocab_size, self.weight_version = vocab_size, weight_version
         self.model_path, self.seed, self.log_dir, self.state_path = model_path, seed, log_dir, state_path
@@ -128,8 +119,10 @@ class ServerPool(WeightChecks):
 
     @property
     def kind(self) -> str:
-        """What the servers it starts are, for messages: "built-in server" or "SGLang server"."""
-        return "SGLang server" if self.rollout.engine == "sglang" else "built-in server"
+        """What the servers it starts are, for messages: "built-in server" or "SGLang server" (with the
+        role in front for a pool other than the policy's: "teacher SGLang server")."""
+        kind = "SGLang server" if self.rollout.engine == "sglang" else "built-in server"
+        return kind if self.weight_synced else f"{self.role} {kind}"
 
     @property
     def version(self) -> int:
@@ -148,7 +141,8 @@ class ServerPool(WeightChecks):
             self.restarts = [0] * len(self.servers)
             self._write_servers()
             client_cfg = dataclasses.replace(client_cfg, urls=[s.url for s in self.servers])
-            logger.info("%s rollout servers: %s", self.rollout.engine, ", ".join(client_cfg.urls))
+            logger.info("%s %s servers: %s", self.rollout.engine, "rollout" if self.weight_synced else self.role,
+                        ", ".join(client_cfg.urls))
         self.client = RolloutClient(client_cfg, vocab_size=self.vocab_size, weight_version=self.weight_version)
         self.client.process_exit = self._exit_code_of  # a round fails at once on a dead server: restart it
         self.client.wait_healthy()
@@ -165,7 +159,7 @@ class ServerPool(WeightChecks):
     def _start_server(self, i: int, port: Optional[int] = None) -> Any:
         """Start server `i` of `rollout.engine` (on `port`: a restart keeps its URL) and wait for its
         health; both engines get the run's flags, seed, version 0 and API key."""
-        log_path = self.log_dir / f"server_{i}.log"
+        log_path = self.log_dir / (f"server_{i}.log" if self.weight_synced else f"{self.role}_server_{i}.log")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         key = self.rollout.client.api_key or os.environ.get(API_KEY_ENV)
         timeout = self.rollout.client.health_timeout_s
@@ -193,8 +187,9 @@ class ServerPool(WeightChecks):
 
         arch = headless_for_sglang(self.model_path)
         if arch:
+            field = "model.hf_path" if self.weight_synced else f"{self.role}.model_path"
             raise ConfigError(
-                f"model.hf_path={self.model_path} is a {arch} checkpoint with tied embeddings and no lm_head.weight: "
+                f"{field}={self.model_path} is a {arch} checkpoint with tied embeddings and no lm_head.weight: "
                 f"SGLang's model for it ignores tie_word_embeddings and would serve a zero output head (every token "
                 f"at -log(vocab)); write the head (tools/convert_hf.py --to-megatron, then --to-hf, writes "
                 f"lm_head.weight) or use rollout.engine=builtin")
@@ -256,7 +251,8 @@ class ServerPool(WeightChecks):
         server = self.servers[i]
         if self.restarts[i] >= self.rollout.max_server_restarts:
             raise RolloutError(f"{self.kind} {server.url} {why_again} after {self.restarts[i]} restart(s) "
-                               f"(rollout.max_server_restarts); its log: {server.log_path}")
+                               f"({'rollout' if self.weight_synced else self.role}.max_server_restarts); its log: "
+                               f"{server.log_path}")
         self.restarts[i] += 1
         logger.warning("%s %s (pid %d) %s; restarting it (%d of %d)", self.kind, server.url, server.pid, why,
                        self.restarts[i], self.rollout.max_server_restarts)
@@ -312,7 +308,11 @@ class ServerPool(WeightChecks):
     def update(self, version: int, probe: Optional[Probe] = None) -> Iterator["UpdateSession"]:
         """One update of every server to `version` (see the module docstring); the session is the
         export's sink. `self.version` becomes `version` when the update completed. `probe`: the
-        actor's log-probs of the probe sequence (`sync.verify=probe`; without it nothing is checked)."""
+        actor's log-probs of the probe sequence (`sync.verify=probe`; without it nothing is checked).
+        Refused (RolloutError) on a pool that is not the policy's: nothing reaches its servers."""
+        if not self.weight_synced:
+            raise RolloutError(f"the {self.role} pool is not weight-synced: its servers serve {self.model_path} as "
+                               f"version 0 for the whole run (only the policy's pool is updated)")
         self.ensure_alive(updating=True)
         if not self._checked:
             self._check_servers()

@@ -6,7 +6,7 @@
     handle.url, handle.pid, handle.alive(), handle.stop()        # as the built-in server's ServerHandle
 
 The command is `python -m sglang.launch_server` with the flags the run relies on (`flags`: the
-pool's `required_server_flags`: `--disable-radix-cache` under the in_place pause,
+`required_server_flags` (below): `--disable-radix-cache` under the in_place pause,
 `--enable-deterministic-inference` when requests carry seeds), the dtype, the KV memory, the port, the
 API key, the random seed, `--weight-version 0`, and the device: on CPU `--device cpu` with
 `SGLANG_USE_CPU_ENGINE=1` (SGLang's torch-native path; the venv `tools/install.sh --with-sglang`
@@ -245,3 +245,20 @@ def start_sglang_server(cfg: SGLangLaunchConfig, *, model_path: str, log_path: P
     env = {**os.environ, **extra_env}
     return launch_process(cmd, host=host, port=port, log_path=Path(log_path), startup_timeout_s=startup_timeout_s,
                           env=env, name="SGLang server")
+
+
+def required_server_flags(*, deterministic_inference: bool, pause_mode: Optional[str],
+                          routed_experts: bool = False) -> list[str]:
+    """SGLang launch flags the run relies on: `--enable-deterministic-inference` when requests carry a
+    `sampling_seed` (SGLang ignores the seed without it), `--disable-radix-cache` under the "in_place"
+    pause (the update cannot flush KV the old weights computed, so no cache may keep it),
+    `--enable-return-routed-experts` when requests ask for the MoE routing (ignored without it; the
+    client then stops the run naming the flag)."""
+    flags = []
+    if deterministic_inference:
+        flags.append("--enable-deterministic-inference")
+    if pause_mode == "in_place":
+        flags.append("--disable-radix-cache")
+    if routed_experts:
+        flags.append("--enable-return-routed-experts")
+    return flags

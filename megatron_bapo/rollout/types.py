@@ -163,6 +163,9 @@ class Sample:
     """Ids per row (`num_layers x top_k`); 0 while nothing is recorded."""
     agent: Optional[AgentState] = None
     """Multi-turn state (`rollout.agent`); None for a single-turn sample (every response token sampled)."""
+    teacher_logprobs: Optional[list[float]] = None
+    """The teacher's log-prob of each response token (`rollout.teacher`, when the group finished; a
+    tool's tokens included, masked when trained); None until scored, or without a teacher."""
 
     @property
     def response_length(self) -> int:
@@ -203,7 +206,7 @@ class Sample:
         self.response_ids, self.response_logprobs, self.response_versions = [], [], []
         self.state, self.finish_reason, self.num_segments = SampleState.PENDING, None, 0
         self.routed_experts, self.routed_width = b"", 0
-        self.reward = None
+        self.reward = self.teacher_logprobs = None
         if self.agent is not None:
             self.agent = AgentState()
 
@@ -214,7 +217,8 @@ class Sample:
                 "finish_reason": self.finish_reason, "num_segments": self.num_segments,
                 "num_regenerations": self.num_regenerations, "error": self.error, "reward": self.reward,
                 "routed_experts": _routing(self.routed_experts),
-                "routed_width": self.routed_width, "agent": self.agent.to_dict() if self.agent else None}
+                "routed_width": self.routed_width, "agent": self.agent.to_dict() if self.agent else None,
+                "teacher_logprobs": None if self.teacher_logprobs is None else list(self.teacher_logprobs)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
@@ -225,7 +229,8 @@ class Sample:
                    num_regenerations=int(d.get("num_regenerations", 0)), error=d.get("error"),
                    reward=d.get("reward"), routed_experts=_bytes(d.get("routed_experts")),
                    routed_width=int(d.get("routed_width", 0)),
-                   agent=AgentState.from_dict(d["agent"]) if d.get("agent") else None)
+                   agent=AgentState.from_dict(d["agent"]) if d.get("agent") else None,
+                   teacher_logprobs=None if d.get("teacher_logprobs") is None else _floats(d["teacher_logprobs"]))
 
 
 def _ints(values: Any) -> list[int]:
@@ -303,7 +308,8 @@ class RolloutRound:
     rejections: list[str] = field(default_factory=list)
     """The servers' messages for requests they rejected (4xx) in this round (their groups were dropped)."""
     dropped: list[RolloutGroup] = field(default_factory=list)
-    """Finished groups not trained because their rewards are all equal (`rollout.dynamic_sampling`)."""
+    """Finished groups not trained: their rewards are all equal (`rollout.dynamic_sampling`), or the
+    teacher could not score them (`rollout.teacher.TeacherScorer.complete`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompts": [p.to_dict() for p in self.prompts], "groups": [g.to_dict() for g in self.groups],
