@@ -51,7 +51,8 @@ def gated_groups(tokens: int = 3000) -> list[RolloutGroup]:
 
     first = [sample(1, tokens, SampleState.PARTIAL, routed_experts=bytes(range(200)) * 2, routed_width=2),
              sample(2, tokens // 2, SampleState.ABORTED, agent=AgentState(tool_spans=[[0, 4]])),
-             sample(3, 40, SampleState.COMPLETED, reward=1.0)]
+             sample(3, 40, SampleState.COMPLETED, reward=1.0,  # scored by a teacher (on-policy distillation)
+                    teacher_logprobs=GatedList(-(j % 13) / 3.0 for j in range(40)))]
     second = [sample(4, tokens, SampleState.PARTIAL), sample(5, 0, SampleState.PENDING),
               sample(6, 7, SampleState.PARTIAL)]
     return [RolloutGroup(group_id="a", prompt=Prompt(prompt_ids=GatedList([5, 6, 7]), answer="7", index=4),
@@ -62,13 +63,14 @@ def gated_groups(tokens: int = 3000) -> list[RolloutGroup]:
 
 def grow_and_reset(groups: list[RolloutGroup]) -> None:
     """What the rollout does after a checkpoint's pause: segments extend live lists, a tool appends its
-    tokens, a routing grows (new bytes), a stale sample is reset (new lists)."""
+    tokens, a routing grows (new bytes), a stale sample is reset (new lists, no teacher log-probs)."""
     a, b = groups
     a.samples[0].response_ids.extend([1, 2, 3])
     a.samples[0].response_logprobs.extend([-0.5, -0.25, -0.125])
     a.samples[0].response_versions.extend([9, 9, 9])
     a.samples[0].routed_experts += b"\x01\x00" * 4
     a.samples[1].append_tool_tokens([11, 12])
+    a.samples[2].teacher_logprobs = None  # reset for a regeneration: the teacher's list is replaced, never edited
     b.samples[0].reset()
     b.samples[0].response_ids.extend([42] * 5)
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import megatron_bapo
 
-FIELDS = frozenset({"prompt_ids", "response_ids", "response_logprobs", "response_versions", "routed_experts"})
+FIELDS = frozenset({"prompt_ids", "response_ids", "response_logprobs", "response_versions", "routed_experts",
+                    "teacher_logprobs"})
 IN_PLACE = frozenset({"clear", "pop", "insert", "remove", "sort", "reverse", "__setitem__", "__delitem__",
                       "__imul__", "shuffle"})
 

@@ -72,8 +72,9 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 64 << 20
 _SAMPLE_KEYS = frozenset({"prompt_ids", "response_ids", "response_logprobs", "response_versions", "state"})
 _PROMPT_KEYS = frozenset({"prompt_ids", "answer", "index"})
-_SAMPLE_FIELDS = frozenset({"prompt_ids", "response_ids", "response_logprobs", "response_versions", "routed_experts"})
-_FLOATS = frozenset({"response_logprobs"})
+_SAMPLE_FIELDS = frozenset({"prompt_ids", "response_ids", "response_logprobs", "response_versions", "routed_experts",
+                            "teacher_logprobs"})
+_FLOATS = frozenset({"response_logprobs", "teacher_logprobs"})
 _BYTES = frozenset({"routed_experts"})
 
 
@@ -93,7 +94,7 @@ def _collect(node: Any, found: dict[str, list[tuple[dict, Any]]]) -> None:
     if isinstance(node, dict):
         fields = _fields_of(node)
         for key, value in node.items():
-            if key in fields:
+            if key in fields and value is not None:  # teacher_logprobs: None until the teacher scored it
                 found.setdefault(key, []).append((node, value))
             elif isinstance(value, (dict, list)):
                 _collect(value, found)

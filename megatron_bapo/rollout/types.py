@@ -218,7 +218,7 @@ class Sample:
                 "num_regenerations": self.num_regenerations, "error": self.error, "reward": self.reward,
                 "routed_experts": _routing(self.routed_experts),
                 "routed_width": self.routed_width, "agent": self.agent.to_dict() if self.agent else None,
-                "teacher_logprobs": None if self.teacher_logprobs is None else list(self.teacher_logprobs)}
+                "teacher_logprobs": None if self.teacher_logprobs is None else _tokens(self.teacher_logprobs)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
