@@ -16,22 +16,36 @@ pytestmark = pytest.mark.slow
 REASONS = ("scored", "timeout", "unparseable", "error")
 
 
-def test_a_run_graded_by_a_tiny_yes_no_judge_completes_and_reports_the_judge(tmp_path, tiny_hf_dir):
+@pytest.mark.parametrize("servers", ["urls", "judge_pool"])
+def test_a_run_graded_by_a_tiny_yes_no_judge_completes_and_reports_the_judge(tmp_path, tiny_hf_dir, servers):
+    """`urls`: a judge server the user runs, named in reward.judge.urls; `judge_pool`: a `judge` section,
+    whose built-in server the run starts, watches and closes like the policy's (never weight-synced)."""
+    import contextlib
+    import json
+
     from megatron_bapo.server.launch import start_server
 
     (tmp_path / "assets").mkdir()
     assets = (write_assets(tmp_path / "assets"), tiny_hf_dir)
     out = tmp_path / "run"
-    with start_server(tiny_hf_dir, log_path=tmp_path / "judge.log") as judge:
-        reward = {"fn": "judge", "num_workers": 0, "max_failure_rate": 1.0, "judge": {
-            "urls": [judge.url], "template": "Question: {prompt}\nAnswer: {response}\nReference: {answer}\n"
-                                             "Is this answer correct? yes/no",
-            "parse_regex": r"(?i)\b(yes|no)\b", "values": {"yes": 1, "no": 0}, "on_failure": "score_zero",
-            "max_new_tokens": 8, "temperature": 1.0}}
-        config = run_config(assets, out, total_steps=3, save_every=0,
-                            sections={"reward": reward, "eval": {"reward": "judge", "every_n_steps": 3}})
+    external = start_server(tiny_hf_dir, log_path=tmp_path / "judge.log") if servers == "urls" else None
+    with external if external is not None else contextlib.nullcontext():
+        judge = {"template": "Question: {prompt}\nAnswer: {response}\nReference: {answer}\n"
+                             "Is this answer correct? yes/no",
+                 "parse_regex": r"(?i)\b(yes|no)\b", "values": {"yes": 1, "no": 0}, "on_failure": "score_zero",
+                 "max_new_tokens": 8, "temperature": 1.0}
+        sections = {"eval": {"reward": "judge", "every_n_steps": 3}}
+        if external is not None:
+            judge["urls"] = [external.url]
+        else:
+            sections["judge"] = {"model_path": str(tiny_hf_dir), "num_servers": 1}
+        sections["reward"] = {"fn": "judge", "num_workers": 0, "max_failure_rate": 1.0, "judge": judge}
+        config = run_config(assets, out, total_steps=3, save_every=0, sections=sections)
         proc = start_train(config, assets)
         log = finish(proc)
+    if external is None:  # the run started its own judge server, beside the policy's
+        urls = json.loads((out / "judge_servers.json").read_text())
+        assert urls and urls != json.loads((out / "servers.json").read_text()), urls
     assert proc.returncode == 0, log[-4000:]
     records = read_jsonl_metrics(out / "tb")
     steps = [r for r in records if "timing/step_s" in r]
