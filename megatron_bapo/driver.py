@@ -39,7 +39,7 @@ from typing import Any, Iterator, Optional
 
 from megatron_bapo import run_record
 from megatron_bapo.config import RunConfig
-from megatron_bapo.config_io import ConfigError
+from megatron_bapo.driver_checks import check_context, preflight, routing_shape
 from megatron_bapo.experience import build_experience
 from megatron_bapo.follower import Follower  # noqa: F401 (the actor ranks' stand-in; imported from here)
 from megatron_bapo.logs import CONSOLE
@@ -51,7 +51,7 @@ from megatron_bapo.rollout.batch import mask_stale_tokens
 from megatron_bapo.rollout.pool import ServerPool
 from megatron_bapo.rollout.roles import ROLES, close_role_pools, start_role_pools
 from megatron_bapo.rollout.state_tokens import TokenFile, TokenWrite, gc_paused, in_background, snapshot
-from megatron_bapo.rollout.teacher import TeacherScorer, check_same_tokenizer, scoring_with_teacher
+from megatron_bapo.rollout.teacher import TeacherScorer, scoring_with_teacher
 from megatron_bapo.rollout.types import live_lists
 from megatron_bapo.sample_ledger import SampleLedger
 
@@ -104,7 +104,7 @@ class Driver:
         from megatron_bapo.rollout.producer import RolloutProducer
 
         cfg, ro = self.config, self.config.rollout
-        self._preflight()
+        preflight(self.config)
         # What this run's checkpoints record, and (resuming) what they recorded: refused before the servers start.
         self.record = run_record.describe(cfg, hf_config, world_size=world_size)
         if state:
@@ -112,7 +112,7 @@ class Driver:
                 console.info("resume: %s", note)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
-        self.routed_experts_shape = _routing_shape(cfg.model.hf_path) if ro.return_routed_experts else None
+        self.routed_experts_shape = routing_shape(cfg.model.hf_path) if ro.return_routed_experts else None
         self.pool = ServerPool(ro, cfg.sync, model_path=cfg.model.hf_path, seed=cfg.trainer.seed,
                                log_dir=self.output_dir / "logs", state_path=self.output_dir / "servers.json",
                                weight_version=version, vocab_size=int(hf_config.vocab_size))
@@ -123,7 +123,8 @@ class Driver:
         judges = self.roles.get("judge")  # a `judge` section's servers, else reward.judge.urls (external ones)
         self.judge = start_judge(cfg.reward, cfg.eval, urls=judges.client.config.urls if judges else cfg.reward.judge.urls,
                                  model_path=cfg.judge.model_path if judges else cfg.model.hf_path)
-        self._check_context()
+        check_context(self.config, self.dataset.prompts, self.client,
+                      self.teacher.pool.client if self.teacher is not None else None)
         lag = ro.num_segments - 1 + cfg.trainer.async_steps
         if ro.max_staleness is not None and ro.max_staleness < lag:
             logger.info("rollout.max_staleness=%d is below the %d versions a %d-token response spans (%d segments, "
@@ -180,51 +181,6 @@ class Driver:
         restoring, self._restoring = self._restoring, None
         if restoring is not None:
             restoring.result()
-
-    def _preflight(self) -> None:
-        """What would otherwise fail only after the model loads (minutes on a cluster): paths and the
-        reward functions. Errors name the field and are one line."""
-        from megatron_bapo.rewards import load_reward_fn
-        from megatron_bapo.rollout.tools import ToolSpecError, load_tool_fn
-
-        cfg = self.config
-        if not Path(cfg.data.path).exists():
-            raise ConfigError(f"data.path={cfg.data.path!r} does not exist")
-        if cfg.reward.fn != JUDGE:
-            load_reward_fn(cfg.reward.fn)  # RewardSpecError naming reward.fn
-        if cfg.teacher.enabled:  # the teacher scores the student's token ids: one tokenizer, or refused
-            check_same_tokenizer(cfg.model.hf_path, cfg.teacher.model_path)
-        for i, tool in enumerate(cfg.rollout.agent.tools):
-            try:
-                load_tool_fn(tool.fn)
-            except ToolSpecError as exc:
-                raise ConfigError(f"rollout.agent.tools[{i}].fn={tool.fn!r}: {exc}") from None
-        if cfg.eval.every_n_steps and cfg.eval.datasets:
-            for i, ds in enumerate(cfg.eval.datasets):
-                if not Path(ds.path).exists():
-                    raise ConfigError(f"eval.datasets[{i}].path={ds.path!r} does not exist")
-            if isinstance(cfg.eval.reward, str) and cfg.eval.reward != JUDGE:
-                load_reward_fn(cfg.eval.reward)
-
-    def _check_context(self) -> None:
-        """The longest prompt plus `rollout.max_response_tokens` must fit every server's context (a
-        teacher's too, as the input of its prefill: one position more); otherwise every request would
-        come back 400 and the run would train nothing."""
-        ro = self.config.rollout
-        longest = max(len(p.prompt_ids) for p in self.dataset.prompts)
-        prompt = max(longest, self.config.data.max_prompt_tokens or 0)
-        teacher = [(self.teacher.pool.client, 1, "teacher server")] if self.teacher is not None else []
-        for client, extra, kind in [(self.client, 0, "server"), *teacher]:
-            for url, info in client.run(client.aget_server_info()).items():
-                max_input = info.get("max_req_input_len")
-                ctx = info.get("context_length") or (max_input + 1 if max_input else None)
-                if ctx and prompt + ro.max_response_tokens + extra > ctx:
-                    raise ConfigError(
-                        f"rollout.max_response_tokens={ro.max_response_tokens} + the longest prompt ({prompt} tokens, "
-                        f"data.max_prompt_tokens={self.config.data.max_prompt_tokens}) = "
-                        f"{prompt + ro.max_response_tokens} exceeds the context length {ctx} of {kind} {url}"
-                        f"{' (less one: a prefill input)' if extra else ''}: every request would be rejected. Lower "
-                        f"rollout.max_response_tokens or data.max_prompt_tokens, or serve a longer context")
 
     def servers_hold_other_weights(self, version: int) -> bool:
         """Whether a server reports a weight version other than `version` (a fresh run's 0) before
@@ -403,15 +359,3 @@ class Driver:
 
     def _drop_unfinished_write(self) -> None:
         self._writing.drop()
-
-
-def _routing_shape(hf_path: str) -> tuple[int, int]:
-    """(num_layers, top_k) of the recorded MoE routing (`rollout.return_routed_experts`)."""
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(hf_path)
-    top_k = getattr(hf, "num_experts_per_tok", None)
-    if not top_k:
-        raise ConfigError(f"rollout.return_routed_experts=true, but model.hf_path={hf_path!r} is not a "
-                          f"mixture-of-experts model (no num_experts_per_tok); set it to false")
-    return int(hf.num_hidden_layers), int(top_k)
