@@ -416,9 +416,11 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
 
 def dump_run_config(config: RunConfig) -> str:
     """The resolved config as YAML (written next to every run so it can be reproduced); a secret
-    (`rollout.client.api_key`, a role's `client.api_key`) is masked, never written to the run directory."""
+    (`rollout.client.api_key`, a role's `client.api_key`, `reward.judge.api_key`) is masked, never written to the run directory."""
     data = to_dict(config)
     for section in ("rollout", *ROLES):
         if data[section]["client"].get("api_key"):
             data[section]["client"]["api_key"] = "***"
+    if data["reward"]["judge"].get("api_key"):
+        data["reward"]["judge"]["api_key"] = "***"
     return yaml.safe_dump(data, sort_keys=False)

@@ -122,7 +122,8 @@ class Driver:
         self.teacher = TeacherScorer(self.roles["teacher"]) if "teacher" in self.roles else None
         judges = self.roles.get("judge")  # a `judge` section's servers, else reward.judge.urls (external ones)
         self.judge = start_judge(cfg.reward, cfg.eval, urls=judges.client.config.urls if judges else cfg.reward.judge.urls,
-                                 model_path=cfg.judge.model_path if judges else cfg.model.hf_path)
+                                 model_path=cfg.judge.model_path if judges else cfg.model.hf_path,
+                                 api_key=judges.client.config.api_key if judges else None)
         check_context(self.config, self.dataset.prompts, self.client,
                       self.teacher.pool.client if self.teacher is not None else None)
         lag = ro.num_segments - 1 + cfg.trainer.async_steps

@@ -140,6 +140,7 @@ POLICY: dict[str, tuple[str, str]] = {
                                          "their reward)"),
     **{f"reward.judge.{name}": (APPLIED, "the judge's client is built with it when the resumed run starts")
        for name in ("urls", "tokenizer", "max_concurrency")},
+    "reward.judge.api_key": (APPLIED, "never recorded (masked); whatever is set now is sent"),
     **{f"reward.judge.{name}": (APPLIED, "verdicts asked for after the resume (buffered groups already scored keep "
                                          "their reward)")
        for name in ("template", "parse_regex", "values", "parse_fn", "max_new_tokens", "temperature", "timeout_s",

@@ -190,6 +190,7 @@ def config_record(config: Any) -> dict[str, Any]:
     flat = flatten(json.loads(json.dumps(to_dict(config))))
     for section in ("rollout", "teacher", "judge"):
         flat.pop(f"{section}.client.api_key", None)
+    flat.pop("reward.judge.api_key", None)
     return flat
 
 

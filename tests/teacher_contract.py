@@ -8,6 +8,9 @@ what a pool may be sent, not how it talks: `rollout.roles`).
   entry null, as SGLang's own code says; cached prompt prefixes do not shorten it.
 - A teacher server SIGKILLed while it holds the scoring's requests is restarted by its pool and the
   scoring retried: every response scored, as the restarted server computes it.
+- A judge's generation (`rewards.judge`: the filled template through the judge's tokenizer, a greedy
+  `/generate`, the decoded text parsed) is accepted and parsed on both engines, the same verdict for
+  the same input.
 """
 
 from __future__ import annotations
@@ -92,3 +95,28 @@ def test_a_teacher_server_killed_mid_scoring_is_restarted_and_the_scoring_retrie
     assert (stats.num_scored, stats.num_failed) == (6, 0) and pool.restarts[0] == restarts + 1
     assert pool.servers[0].pid != server.pid and pool.servers[0].alive()
     _check_against_a_forward(served, groups)
+
+
+def verdict_length(text: str) -> float:
+    """A judge parse rule (`reward.judge.parse_fn`) that reads any generation: its length in characters."""
+    return float(len(text))
+
+
+def test_a_judge_generation_is_accepted_and_parsed(served):
+    from transformers import AutoTokenizer
+
+    from megatron_bapo.rewards.judge import JudgeReward
+    from megatron_bapo.rewards.judge_config import JudgeConfig
+
+    from contract_helpers import API_KEY
+
+    config = JudgeConfig(urls=[served.url], api_key=API_KEY, template="Q: {prompt}\nA: {response}\nRef: {answer}\nCorrect? yes/no",
+                         parse_fn="teacher_contract:verdict_length", max_new_tokens=6, temperature=0.0, timeout_s=60)
+    judge = JudgeReward.for_urls(config, [served.url], AutoTokenizer.from_pretrained(served.model_a))
+    try:
+        results = judge.score(["1+2="] * 3 + ["4+4="], ["3", "3", "3", "8"], ["3", "3", "3", "8"])
+    finally:
+        judge.close()
+    assert [r.reason for r in results] == ["scored"] * 4, [(r.reason, r.error) for r in results]
+    assert all(0 < r.reward <= 6 * 16 for r in results), results  # 1-6 tokens of text
+    assert results[0].reward == results[1].reward == results[2].reward  # greedy: one input, one verdict

@@ -318,7 +318,30 @@ def test_the_judges_own_tokenizer_and_url_list_and_its_concurrency(tiny_hf_dir, 
         assert srv.server.num_generate == 6 and srv.server.max_running <= 2
 
 
+def test_the_judges_api_key_is_sent(tiny_hf_dir, tmp_path):
+    """Judge servers started with an API key (SGLang's --api-key; here the built-in server's) answer
+    401 without it: every verdict an error, counted; with `api_key` (or a judge pool's own key) they grade."""
+    from transformers import AutoTokenizer
+
+    from megatron_bapo.server.launch import start_server
+
+    tok = AutoTokenizer.from_pretrained(tiny_hf_dir)
+    with start_server(tiny_hf_dir, extra_args=["--api-key", "judge-key"], log_path=tmp_path / "judge.log") as srv:
+        reasons = {}
+        for how, cfg_key, pool_key in (("none", None, None), ("field", "judge-key", None), ("pool", None, "judge-key")):
+            cfg = JudgeConfig(template=TEMPLATE, parse_fn="teacher_contract:verdict_length", api_key=cfg_key,
+                              max_new_tokens=2, temperature=0.0, timeout_s=30.0)
+            j = JudgeReward.for_urls(cfg, [srv.url], tok, api_key=pool_key)
+            try:
+                reasons[how] = [(r.reason, r.error) for r in j.score(["1+1="], ["2"], ["2"])]
+            finally:
+                j.close()
+    assert reasons["none"][0][0] == "judge_error" and "401" in reasons["none"][0][1], reasons
+    assert reasons["field"] == reasons["pool"] == [("scored", None)], reasons
+
+
 FIELD_TESTS = {
+    "api_key": "test_the_judges_api_key_is_sent",
     "urls": "test_the_evaluation_tool_grades_with_a_run_configs_judge",
     "tokenizer": "test_the_judges_own_tokenizer_and_url_list_and_its_concurrency",
     "max_concurrency": "test_the_judges_own_tokenizer_and_url_list_and_its_concurrency",

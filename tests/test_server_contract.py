@@ -406,4 +406,5 @@ def test_what_a_dead_trainer_left_is_cleared_before_the_next_join(served):
 # The teacher's side of the contract (`teacher_contract.py`): collected here, last, on this module's servers.
 from teacher_contract import test_teacher_prefill_log_probs_equal_a_transformers_forward  # noqa: E402,F401,I001
 from teacher_contract import test_a_teacher_server_killed_mid_scoring_is_restarted_and_the_scoring_retried  # noqa
+from teacher_contract import test_a_judge_generation_is_accepted_and_parsed  # noqa: E402,F401,I001
 

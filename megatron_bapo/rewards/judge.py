@@ -58,7 +58,8 @@ class JudgeReward:
         self._chat = getattr(tokenizer, "chat_template", None) is not None
 
     @classmethod
-    def for_urls(cls, config: JudgeConfig, urls: Sequence[str], tokenizer: Any) -> "JudgeReward":
+    def for_urls(cls, config: JudgeConfig, urls: Sequence[str], tokenizer: Any, *,
+                 api_key: Optional[str] = None) -> "JudgeReward":
         """A judge over the servers at `urls` (its own client: never weight-synced, no version checks).
         The one place the judge's servers enter: today `reward.judge.urls`, later a judge pool's."""
         from megatron_bapo.rollout.client import RolloutClient
@@ -69,7 +70,8 @@ class JudgeReward:
         # An attempt's own limit lies past the verdict's deadline: two timers cancelling one task can lose
         # one cancellation (aiohttp turns its own into a TimeoutError the client retries).
         client = RolloutClient(RolloutClientConfig(urls=list(urls), max_concurrency=config.max_concurrency,
-                                                   request_timeout_s=2 * config.timeout_s))
+                                                   request_timeout_s=2 * config.timeout_s,
+                                                   api_key=api_key or config.api_key))
         return cls(config, tokenizer, client, owns_client=True)
 
     def close(self) -> None:
@@ -189,17 +191,19 @@ def log_step(step: int, metrics: dict[str, float], on_failure: str) -> Optional[
     return line
 
 
-def start_judge(reward: Any, eval_cfg: Any, *, urls: Sequence[str], model_path: str) -> Optional[JudgeReward]:
+def start_judge(reward: Any, eval_cfg: Any, *, urls: Sequence[str], model_path: str,
+                api_key: Optional[str] = None) -> Optional[JudgeReward]:
     """The run's judge when `reward.fn` or (evaluation on) `eval.reward` is "judge", else None: over
     the servers at `urls` (today `reward.judge.urls`; the one input a pool of judge servers would
     replace), with `reward.judge.tokenizer` or else `model_path`'s (`open_judge`)."""
     evaluates = eval_cfg.reward == JUDGE and eval_cfg.every_n_steps > 0 and bool(eval_cfg.datasets)
     if reward.fn != JUDGE and not evaluates:
         return None
-    return open_judge(reward.judge, urls, tokenizer_path=reward.judge.tokenizer or model_path)
+    return open_judge(reward.judge, urls, tokenizer_path=reward.judge.tokenizer or model_path, api_key=api_key)
 
 
-def open_judge(config: JudgeConfig, urls: Sequence[str], *, tokenizer_path: str) -> JudgeReward:
+def open_judge(config: JudgeConfig, urls: Sequence[str], *, tokenizer_path: str,
+               api_key: Optional[str] = None) -> JudgeReward:
     """A judge over the servers at `urls` with the tokenizer at `tokenizer_path`; a missing URL list
     or tokenizer is a `ConfigError` naming the field."""
     from transformers import AutoTokenizer
@@ -215,4 +219,4 @@ def open_judge(config: JudgeConfig, urls: Sequence[str], *, tokenizer_path: str)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"reward.judge.tokenizer: cannot load a tokenizer from {tokenizer_path!r} ({exc}); set it "
                           f"to the judge model's HF directory") from None
-    return JudgeReward.for_urls(config, urls, tokenizer)
+    return JudgeReward.for_urls(config, urls, tokenizer, api_key=api_key)

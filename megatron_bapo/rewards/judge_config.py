@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from megatron_bapo.config_io import ConfigError
 
@@ -34,6 +34,9 @@ class JudgeConfig:
     urls: list[str] = field(default_factory=list)
     """The judge servers (`http://host:port`, SGLang or the built-in server serving the judge model);
     `/generate` is balanced over them by a `RolloutClient` of their own, never weight-synced."""
+    api_key: Optional[str] = None
+    """The judge servers' API key (SGLang's `--api-key`), sent as a Bearer token; never written to the
+    run directory. A `judge` section's servers use that section's `client.api_key` instead."""
     tokenizer: str = ""
     """HF directory (or hub name) of the judge's tokenizer, which builds its prompts and decodes its
     verdicts; empty: `model.hf_path` (the judge serves the policy's base model)."""
