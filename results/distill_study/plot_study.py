@@ -13,7 +13,8 @@ training wall time to that step), `runs.csv` (one row per run: what the table's 
 minutes; thin lines per seed, thick the seed mean; solid the target, dashed the n=32 reference).
 
 "Training wall time to step k" is the sum of the run's `timing/step_s` over steps 1..k less its
-`timing/eval_s` (both arms run the same evals; they measure, they do not train).
+`timing/eval_s` (both arms run the same evals; they measure, they do not train); "run, start to end" is
+the run's closing line in `logs/train.log` (setup, servers, the step-0 eval and teardown included).
 """
 
 from __future__ import annotations
@@ -66,10 +67,13 @@ def read_run(arm: str, run_dir: Path, index: int) -> tuple[list[dict], dict]:
             rows.append({"arm": arm, "seed": seed, "step": r["step"], "eval_avg": float(r[key]),
                          "eval_truncated_frac": float(r.get(trunc_key, float("nan"))), "train_wall_s": round(wall, 2)})
     last = records[-1]["step"]
+    log = run_dir / "logs" / "train.log"
+    done = re.findall(r"done: steps \d+-\d+ in (\d+) s", log.read_text(encoding="utf-8")) if log.exists() else []
     updated = [r for r in records if r.get("train/updated") and "bapo/c_high" in r]
     summary = {
         "arm": arm, "seed": seed, "steps": last,
-        "total_wall_s": round(sum(float(r.get("timing/step_s", 0.0)) for r in records), 1),
+        "steps_wall_s": round(sum(float(r.get("timing/step_s", 0.0)) for r in records), 1),
+        "run_wall_s": float(done[-1]) if done else None,
         "train_wall_s": round(wall, 1),
         "reward_first10": _mean(records, "rollout/reward_mean", 1, 10),
         "reward_last10": _mean(records, "rollout/reward_mean", last - 9, last),
@@ -117,25 +121,36 @@ def reach(rows: list[dict], target: float) -> tuple[Optional[int], Optional[floa
     return None, None
 
 
+def halfway(curves: list[dict], target: float) -> float:
+    """Midpoint of the mean step-0 eval (the base, every run) and the target: a level both arms can reach."""
+    base = [r["eval_avg"] for r in curves if r["step"] == 0]
+    return (statistics.fmean(base) + target) / 2
+
+
 def _fmt(v: Optional[float], spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
 def table(curves: list[dict], runs: list[dict], target: float, ref: Optional[float]) -> list[str]:
-    lines = [f"Target: the teacher's eval avg@4 = {target:.3f}" + (f" (n=32 reference {ref:.3f})" if ref else ""), "",
+    half = halfway(curves, target)
+    lines = [f"Target: the teacher's eval avg@4 = {target:.3f}" + (f" (n=32 reference {ref:.3f})" if ref else "")
+             + f"; half-way: {half:.3f} (the mean step-0 eval and the target's midpoint)", "",
              "| arm | seed | eval step 0 | final eval (step 100) | best eval | steps to target | train wall to target (s) "
-             + ("| steps to n=32 ref " if ref else "") + "| train wall 100 steps (s) | total wall (s) |",
-             "|---|---|---|---|---|---|---|" + ("---|" if ref else "") + "---|---|"]
+             + ("| steps to n=32 ref " if ref else "") + "| steps to half-way | train wall to half-way (s) "
+             "| train wall 100 steps (s) | steps incl. evals (s) | run, start to end (s) |",
+             "|---|---|---|---|---|---|---|" + ("---|" if ref else "") + "---|---|---|---|---|"]
     for run in runs:
         rows = [r for r in curves if r["arm"] == run["arm"] and r["seed"] == run["seed"]]
         by_step = {r["step"]: r["eval_avg"] for r in rows}
         step, wall = reach(rows, target)
         ref_step = reach(rows, ref)[0] if ref else None
+        half_step, half_wall = reach(rows, half)
         reached = f"{step}" if step is not None else f"not reached in {run['steps']}"
         lines.append(f"| {run['arm']} | {run['seed']} | {by_step.get(0, float('nan')):.3f} | "
                      f"{by_step.get(max(by_step), float('nan')):.3f} | {max(by_step.values()):.3f} | {reached} | "
                      f"{_fmt(wall, '.0f')} | " + (f"{ref_step if ref_step is not None else 'not reached'} | " if ref else "")
-                     + f"{run['train_wall_s']:.0f} | {run['total_wall_s']:.0f} |")
+                     + f"{half_step if half_step is not None else 'not reached'} | {_fmt(half_wall, '.0f')} | "
+                     + f"{run['train_wall_s']:.0f} | {run['steps_wall_s']:.0f} | {_fmt(run['run_wall_s'], '.0f')} |")
     lines += ["", "Why (means over the run's steps; first / last 10 steps where two numbers):", "",
               "| arm | seed | reward (train) | BAPO rho before -> after | steps with c_high at 3.0 | positive-advantage tokens "
               "| reverse KL est. | clipped neg / pos | truncated (train) |", "|---|---|---|---|---|---|---|---|---|"]
@@ -175,7 +190,9 @@ def plot(curves: list[dict], target: float, ref: Optional[float], path: Path) ->
         ax.axhline(target, color="black", linewidth=1.0, label=f"teacher avg@4 {target:.3f}")
         if ref is not None:
             ax.axhline(ref, color="black", linewidth=0.8, linestyle="--", label=f"teacher avg@32 {ref:.3f}")
+        ax.axhline(halfway(curves, target), color="gray", linewidth=0.8, linestyle=":", label="half-way")
         ax.set_xlabel(xlabel)
+        ax.set_ylim(top=max([target, ref or 0.0] + [r["eval_avg"] for r in curves]) + 0.05)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("eval avg@4 (200 held-out problems, T=1)")
     axes[0].legend(fontsize=7, loc="lower right")
