@@ -80,6 +80,8 @@ def read_run(arm: str, run_dir: Path, index: int) -> tuple[list[dict], dict]:
         "rho_before": _mean(records, "bapo/rho_before"), "rho_after": _mean(records, "bapo/rho_after"),
         "frac_steps_c_high_at_grid_end": (sum(float(r["bapo/c_high"]) >= GRID_HIGH_MAX - 1e-6 for r in updated)
                                           / len(updated)) if updated else None,
+        "c_low": _mean(records, "bapo/c_low"), "c_high": _mean(records, "bapo/c_high"),
+        "teacher_s_per_step": _mean(records, "timing/teacher_s"),
         "frac_positive_advantage": _mean(records, "distill/frac_positive_advantage"),
         "reverse_kl_first10": _mean(records, "distill/reverse_kl_mean", 1, 10),
         "reverse_kl_last10": _mean(records, "distill/reverse_kl_mean", last - 9, last),
@@ -152,15 +154,16 @@ def table(curves: list[dict], runs: list[dict], target: float, ref: Optional[flo
                      + f"{half_step if half_step is not None else 'not reached'} | {_fmt(half_wall, '.0f')} | "
                      + f"{run['train_wall_s']:.0f} | {run['steps_wall_s']:.0f} | {_fmt(run['run_wall_s'], '.0f')} |")
     lines += ["", "Why (means over the run's steps; first / last 10 steps where two numbers):", "",
-              "| arm | seed | reward (train) | BAPO rho before -> after | steps with c_high at 3.0 | positive-advantage tokens "
-              "| reverse KL est. | clipped neg / pos | truncated (train) |", "|---|---|---|---|---|---|---|---|---|"]
+              "| arm | seed | reward (train) | BAPO rho before -> after | c_low / c_high | steps with c_high at 3.0 "
+              "| positive-advantage tokens | reverse KL est. | clipped neg / pos | truncated (train) | teacher s/step |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         lines.append(
             f"| {run['arm']} | {run['seed']} | {_fmt(run['reward_first10'])} / {_fmt(run['reward_last10'])} | "
-            f"{_fmt(run['rho_before'])} -> {_fmt(run['rho_after'])} | {_fmt(run['frac_steps_c_high_at_grid_end'], '.2f')} | "
+            f"{_fmt(run['rho_before'])} -> {_fmt(run['rho_after'])} | {_fmt(run['c_low'], '.2f')} / {_fmt(run['c_high'], '.2f')} | {_fmt(run['frac_steps_c_high_at_grid_end'], '.2f')} | "
             f"{_fmt(run['frac_positive_advantage'])} | {_fmt(run['reverse_kl_first10'])} / {_fmt(run['reverse_kl_last10'])} | "
             f"{_fmt(run['clipfrac_neg'])} / {_fmt(run['clipfrac_pos'])} | "
-            f"{_fmt(run['truncated_first10'])} / {_fmt(run['truncated_last10'])} |")
+            f"{_fmt(run['truncated_first10'])} / {_fmt(run['truncated_last10'])} | {_fmt(run['teacher_s_per_step'], '.2f')} |")
     return lines
 
 
