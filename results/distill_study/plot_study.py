@@ -199,7 +199,7 @@ def plot(curves: list[dict], target: float, ref: Optional[float], path: Path) ->
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("eval avg@4 (200 held-out problems, T=1)")
     axes[0].legend(fontsize=7, loc="lower right")
-    fig.suptitle("On-policy distillation vs RL from the reward (tiny task, BAPO loss)", fontsize=10)
+    fig.suptitle("On-policy distillation vs RL from the reward (tiny task, 100 steps, seeds 1-3)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
