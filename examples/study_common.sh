@@ -2,7 +2,7 @@
 #
 #   source examples/study_common.sh
 #   study_setup                                  # .venv and runs/tiny_assets (built once)
-#   study_run OUT SEED [section.key=value ...]   # one run of examples/configs/tiny_bapo.yaml
+#   study_run OUT SEED [section.key=value ...]   # one run of $STUDY_CONFIG (default examples/configs/tiny_bapo.yaml)
 #   study_arm NAME OUT_PREFIX [overrides ...]    # study_run for every seed of $SEEDS; appends the
 #                                                # arm's name=dir1,dir2,... to the RUNS array
 #   "$PY" tools/plot_study.py --runs "${RUNS[@]}" --out DIR
@@ -27,7 +27,7 @@ study_run() {
   local out=$1 seed=$2
   shift 2
   if [ ! -f "$out/done" ]; then
-    "$PY" -m megatron_bapo.train --config examples/configs/tiny_bapo.yaml --no-resume \
+    "$PY" -m megatron_bapo.train --config "${STUDY_CONFIG:-examples/configs/tiny_bapo.yaml}" --no-resume \
       trainer.seed="$seed" data.seed="$seed" \
       model.hf_path="$TINY_DIR/base_model" \
       data.path="$TINY_DIR/data/train.jsonl" \
