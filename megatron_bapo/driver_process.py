@@ -129,7 +129,7 @@ class DriverProcess:
                 raise TimeoutError(f"the driver process gave no answer within {timeout:.0f} s")
         try:
             return self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # EOF, or ECONNRESET when the child died with bytes unread on its side
             self._proc.join(5)
             raise DriverProcessError(self._gone("closed the pipe")) from None
 

@@ -42,3 +42,27 @@ def test_packed_tensors_cross_as_one_buffer_and_come_back_as_they_were():
     for want, got in zip(tensors, packed.tensors()):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
         assert got.untyped_storage().data_ptr() == packed.buffer.untyped_storage().data_ptr()  # views, no copy
+
+
+def test_a_child_killed_with_unread_bytes_is_named_in_one_line(tmp_path):
+    """A driver process killed while rank 0's last request sat unread in its pipe leaves rank 0 a
+    connection reset, not an EOF (CI saw this once): it is the same one-line `DriverProcessError`."""
+    import multiprocessing as mp
+
+    import pytest
+
+    from megatron_bapo.driver_process import DriverProcess
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=True)
+    sent = ctx.Event()
+    proc = ctx.Process(target=sent.wait)  # exits without reading what was sent to it
+    proc.start()
+    child.close()
+    parent.send(("next_batch", (1, 0), {}, []))
+    sent.set()
+    proc.join(30)
+    handle = DriverProcess(config=None, output_dir=tmp_path)
+    handle._conn, handle._proc = parent, proc
+    with pytest.raises(DriverProcessError, match=r"closed the pipe \(exit code 0\).*rerun with --resume"):
+        handle._receive(None)
