@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import logging.handlers
 import os
@@ -53,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 STOP_WAIT_S = 30.0
 """How long `close` waits for the child's call in progress, then for the child to close the servers."""
+STACKS_FILE = "driver_stacks.txt"
+"""Under the run's logs/: where a driver process that stopped answering writes its threads' stacks
+(empty otherwise)."""
 
 
 class DriverProcessError(RuntimeError):
@@ -132,6 +136,21 @@ class DriverProcess:
         except (EOFError, OSError):  # EOF, or ECONNRESET when the child died with bytes unread on its side
             self._proc.join(5)
             raise DriverProcessError(self._gone("closed the pipe")) from None
+
+    def _dump_stacks(self) -> str:
+        """Ask a child that stopped answering for every thread's stack (faulthandler, which answers
+        from its C signal handler even while Python code is stuck), to say where it hung."""
+        path = self.output_dir / "logs" / STACKS_FILE
+        if not self._proc.is_alive():
+            return ""
+        before = path.stat().st_size if path.exists() else 0
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self._proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and (path.stat().st_size if path.exists() else 0) == before:
+            time.sleep(0.05)
+        time.sleep(0.2)  # the rest of the threads
+        return f"; where each of its threads was: {path}" if path.exists() and path.stat().st_size > before else ""
 
     def _gone(self, what: str) -> str:
         return (f"the driver process {self._proc.pid} {what} (exit code {self._proc.exitcode}); its servers exit with "
@@ -219,8 +238,8 @@ class DriverProcess:
                     self._conn.send(("close", (), {}, self._outbox))
                     self._receive(STOP_WAIT_S)
         except Exception as exc:  # noqa: BLE001 - the teardown goes on: the child is stopped below
-            logger.warning("the driver process did not close cleanly: %s", exc)
-            self._proc.terminate()
+            logger.warning("the driver process did not close cleanly: %s%s", exc, self._dump_stacks())
+            self._proc.kill()  # its SIGTERM handler only interrupts calls: a child stuck in close needs SIGKILL
         finally:
             self._proc.join(STOP_WAIT_S)
             if self._proc.is_alive():
@@ -346,6 +365,9 @@ def _serve(conn: Any, logs: Any, level: int, config: Any, output_dir: Path, devi
     logging.getLogger(CONSOLE).setLevel(logging.INFO)  # the console lines' own level, as `logs.configure` sets it
     logging.captureWarnings(True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
+    (Path(output_dir) / "logs").mkdir(parents=True, exist_ok=True)
+    stacks = (Path(output_dir) / "logs" / STACKS_FILE).open("a")  # written only if rank 0 asks (`_dump_stacks`)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     if device is not None:
         import torch
 

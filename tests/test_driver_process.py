@@ -66,3 +66,48 @@ def test_a_child_killed_with_unread_bytes_is_named_in_one_line(tmp_path):
     handle._conn, handle._proc = parent, proc
     with pytest.raises(DriverProcessError, match=r"closed the pipe \(exit code 0\).*rerun with --resume"):
         handle._receive(None)
+
+
+def _stuck_child(conn, stacks_path) -> None:
+    """A driver process stuck in its close: it reads the request, then never answers or exits on SIGTERM."""
+    import faulthandler
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, lambda *_: None)  # as the child's handler outside a call: no exit
+    faulthandler.register(signal.SIGUSR1, file=open(stacks_path, "a"), all_threads=True)
+    conn.recv()
+    while True:
+        time.sleep(1)
+
+
+def test_a_child_stuck_in_close_says_where_and_is_killed(tmp_path, monkeypatch, caplog):
+    """CI saw a driver process that neither answered `close` nor exited on SIGTERM (the run then took
+    60 s to stop). `close` now asks it for every thread's stack (the file the warning names) and kills
+    it after one wait, not two."""
+    import logging
+    import multiprocessing as mp
+    import queue
+    import threading
+
+    from megatron_bapo import driver_process
+    from megatron_bapo.driver_process import STACKS_FILE, DriverProcess
+
+    monkeypatch.setattr(driver_process, "STOP_WAIT_S", 1.0)
+    (tmp_path / "logs").mkdir()
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_stuck_child, args=(child, tmp_path / "logs" / STACKS_FILE))
+    proc.start()
+    child.close()
+    handle = DriverProcess(config=None, output_dir=tmp_path)
+    handle._conn, handle._proc, handle._logs = parent, proc, queue.Queue()
+    handle._log_thread = threading.Thread(target=handle._logs.get)
+    handle._log_thread.start()
+    with caplog.at_level(logging.WARNING, logger="megatron_bapo.driver_process"):
+        handle.close()
+    assert not proc.is_alive() and proc.exitcode == -9
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("the driver process did not close cleanly: the driver process gave no answer within 1 s")
+    assert warning.endswith(f"where each of its threads was: {tmp_path / 'logs' / STACKS_FILE}")
+    assert "in _stuck_child" in (tmp_path / "logs" / STACKS_FILE).read_text()

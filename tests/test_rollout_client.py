@@ -376,3 +376,30 @@ def test_producer_runs_ahead_and_hands_rounds_over_as_they_are():
         producer.stop()
     assert manager.totals["num_regenerated"] == 0
     assert seen[2] == {0} and seen[3] == seen[4] == seen[5] == {5}  # made ahead at 0; started after the update: 5
+
+
+def test_a_health_check_refused_for_the_key_stops_at_once_naming_the_field():
+    """A proxy that guards /health_generate with a key (SGLang itself leaves it open) answers 401:
+    waiting cannot fix a key, so the wait ends at the first answer, naming client.api_key."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Guarded(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error": "Unauthorized"}')
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Guarded)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    client = client_for([f"http://127.0.0.1:{httpd.server_address[1]}"], health_timeout_s=3)
+    try:
+        with pytest.raises(RolloutError, match=r"/health_generate refused the client's API key: 401 .*client\.api_key "
+                                               r"\(or the ROLLOUT_API_KEY environment variable\)"):
+            client.wait_healthy()
+    finally:
+        client.close()
+        httpd.shutdown()

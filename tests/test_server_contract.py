@@ -224,7 +224,7 @@ def test_the_cache_flushes_only_when_idle(served):
 
 def test_the_servers_run_as_the_config_says(served):
     """What the pool launched with reaches the server: seed, dtype, KV size, the version, no flag
-    this config does not ask for, the API key on everything but /health."""
+    this config does not ask for, the API key on everything but SGLang's open /health paths."""
     info = served.client.run(served.client.aget_server_info())[served.url]
     assert (info["tp_size"], info.get("pp_size", 1), info.get("dp_size", 1)) == (1, 1, 1)
     assert info["random_seed"] == 0 and info["dtype"] == "float32"
@@ -238,6 +238,7 @@ def test_the_servers_run_as_the_config_says(served):
     assert served.http("POST", "/generate", {"input_ids": PROMPT}, key=None)[0] == 401
     assert served.http("POST", "/generate", {"input_ids": PROMPT}, key="wrong")[0] == 401
     assert served.http("GET", "/health", key=None)[0] == 200
+    assert served.http("GET", "/health_generate", key=None)[0] == 200  # open on SGLang (its /health prefix)
     assert served.http("GET", "/get_weight_version")[0] == 404  # gone in 0.5.23: versions are /model_info's
     # An update outside a session is refused first, even with no weight group (SGLang's order).
     status, text = served.http("POST", "/update_weights_from_distributed", {

@@ -42,7 +42,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 import aiohttp
 
 from megatron_bapo.rollout import concurrency
-from megatron_bapo.rollout.config import SAMPLING_KEYS, RolloutClientConfig
+from megatron_bapo.rollout.config import API_KEY_ENV, SAMPLING_KEYS, RolloutClientConfig
 from megatron_bapo.rollout.control import ControlMixin
 from megatron_bapo.rollout.errors import ProtocolError, RequestRejected, RolloutError
 from megatron_bapo.rollout.prefill import PrefillMixin
@@ -51,8 +51,6 @@ from megatron_bapo.rollout.types import GenerateResult
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-API_KEY_ENV = "ROLLOUT_API_KEY"
-"""Environment variable holding the servers' API key when `RolloutClientConfig.api_key` is unset."""
 # Statuses worth retrying elsewhere even though they are 4xx: timeouts and rate limits.
 _RETRYABLE_4XX = frozenset({408, 429})
 RETRIED = (aiohttp.ClientError, asyncio.TimeoutError, ProtocolError, OSError)

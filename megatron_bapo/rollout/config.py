@@ -24,6 +24,9 @@ SAMPLING_KEYS = frozenset(
 )
 
 
+API_KEY_ENV = "ROLLOUT_API_KEY"
+"""Environment variable holding the servers' API key when `RolloutClientConfig.api_key` is unset."""
+
 @dataclass
 class RolloutClientConfig:
     """How the trainer reaches its SGLang servers (or the built-in CPU server)."""

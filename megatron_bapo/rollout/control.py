@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import aiohttp
 
+from megatron_bapo.rollout.config import API_KEY_ENV
 from megatron_bapo.rollout.errors import RolloutError
 from megatron_bapo.rollout.protocol import parse_version
 from megatron_bapo.weight_update import PAUSE_MODES
@@ -386,7 +387,13 @@ class ControlMixin:
                         if url in self._unhealthy_until:
                             self._unhealthy_until[url] = 0.0
                         return
+                    if status in (401, 403):  # waiting cannot fix a key: say so now, not after the timeout
+                        raise _KeyRefused(f"{url}{path} refused the client's API key: {status} {last[:100]}; set "
+                                          f"this pool's client.api_key (or the {API_KEY_ENV} environment variable) "
+                                          f"to the server's --api-key")
                     last = f"{status} {last[:100]}"
+                except _KeyRefused:
+                    raise
                 except RolloutError as exc:
                     last = str(exc)
                 await asyncio.sleep(0.5)
@@ -401,6 +408,10 @@ class ControlMixin:
 
     def wait_healthy(self, timeout_s: Optional[float] = None) -> None:
         self.run(self.await_healthy(timeout_s))
+
+
+class _KeyRefused(RolloutError):
+    """A server answered 401/403 to a health check: not transient."""
 
 
 def _raise_failures(what: str, results: dict[str, Any]) -> None:

@@ -59,13 +59,17 @@ class ApiKeyCheck:
         return hmac.compare_digest(got, self._expected)
 
 
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+"""Paths a keyed server answers without the key (SGLang's list)."""
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     """API key check when configured, body-size gate, RequestError -> SGLang's error shapes."""
     state = request.app[STATE_KEY]
-    # /health stays open (launchers and liveness probes); everything else, /health_generate included
-    # (it runs a generation), needs the bearer key.
-    if state.api_key_check is not None and request.path != "/health" and not state.api_key_check(
+    # Open paths as SGLang 0.5.23 has them (`decide_request_auth`: prefixes /health, /ready, /metrics, so
+    # /health_generate too: launchers and liveness probes); everything else needs the bearer key.
+    if state.api_key_check is not None and not request.path.startswith(OPEN_PREFIXES) and not state.api_key_check(
             request.headers.get("Authorization")):
         return web.json_response({"error": "Unauthorized"}, status=401)
     limit = state.config.max_body_bytes
