@@ -44,6 +44,7 @@ import pickle
 import signal
 import threading
 import time
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -83,6 +84,8 @@ class DriverProcess:
         self._outbox: list[tuple[int, dict[str, float]]] = []  # metrics `log` leaves for the next call to carry
         self._lock = threading.Lock()
         self._closed = False
+        self._shielded = 0  # > 0 while a message is being written to or read off the pipe
+        self._deferred: Optional[BaseException] = None  # SIGTERM's exception, raised when that ends
 
     # ------------------------------------------------------------------ the process
     def _spawn(self) -> None:
@@ -110,13 +113,13 @@ class DriverProcess:
             started = time.monotonic()
             self._pending = True  # before sending: a SIGTERM right after the send must not lose its reply
             try:
-                self._conn.send((method, args, kwargs, self._outbox))
+                with self._shield():
+                    self._conn.send((method, args, kwargs, self._outbox))
                 self._outbox = []
             except OSError as exc:  # a broken pipe: the child is gone
                 self._proc.join(5)
                 raise DriverProcessError(self._gone(f"could not be asked to {method} ({exc})")) from None
             kind, value, seconds = self._receive(None)
-            self._pending = False
         self._overhead += max(time.monotonic() - started - seconds, 0.0)
         if isinstance(value, DriverStopped):  # the child alone got SIGTERM (rank 0's own would have ended the call)
             raise DriverProcessError(f"the driver process was stopped by a signal during {method}; rerun with --resume")
@@ -131,11 +134,36 @@ class DriverProcess:
                 raise DriverProcessError(self._gone("died"))
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the driver process gave no answer within {timeout:.0f} s")
+        with self._shield():  # a reply is read whole and marked read, or not at all
+            try:
+                data = self._conn.recv_bytes()
+            except (EOFError, OSError):  # EOF, or ECONNRESET when the child died with bytes unread on its side
+                self._proc.join(5)
+                raise DriverProcessError(self._gone("closed the pipe")) from None
+            self._pending = False
+        return ForkingPickler.loads(data)  # shared tensors' handles are fetched here: may be interrupted
+
+    @contextlib.contextmanager
+    def _shield(self) -> Iterator[None]:
+        """SIGTERM's exception waits until a message is whole on the pipe (or off it). CI saw the
+        exception land while rank 0 unpickled a reply: the reply was consumed but still counted as
+        pending, so `close` waited 30 s for one that never came."""
+        self._shielded += 1
         try:
-            return self._conn.recv()
-        except (EOFError, OSError):  # EOF, or ECONNRESET when the child died with bytes unread on its side
-            self._proc.join(5)
-            raise DriverProcessError(self._gone("closed the pipe")) from None
+            yield
+        finally:
+            self._shielded -= 1
+            if not self._shielded and self._deferred is not None:
+                exc, self._deferred = self._deferred, None
+                raise exc
+
+    def defer(self, exc: BaseException) -> bool:
+        """From the SIGTERM handler: True if `exc` is held until the pipe is between messages (the
+        handler then returns), False if the handler should raise it now."""
+        if self._shielded:
+            self._deferred = exc
+            return True
+        return False
 
     def _dump_stacks(self) -> str:
         """Ask a child that stopped answering for every thread's stack (faulthandler, which answers
@@ -160,7 +188,6 @@ class DriverProcess:
         """Read the reply of a call SIGTERM interrupted (the child was told to stop it)."""
         if self._pending:
             self._receive(STOP_WAIT_S)
-            self._pending = False
 
     # ------------------------------------------------------------------ the Driver's calls
     def start(self, state: dict[str, Any], **kwargs: Any) -> None:

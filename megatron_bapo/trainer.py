@@ -140,7 +140,10 @@ class Trainer:
 
         def on_term(signum, frame):
             self.driver.begin_stop()  # the teardown below makes one short attempt per call
-            raise Terminated(self._stopped(), 128 + signum)
+            exc = Terminated(self._stopped(), 128 + signum)
+            defer = getattr(self.driver, "defer", None)  # the driver process's pipe, mid-message: raised after
+            if defer is None or not defer(exc):
+                raise exc
 
         signal.signal(signal.SIGTERM, on_term)
         self.driver = Follower()

@@ -44,6 +44,12 @@ def with_options(expression: str, *, unit: str = "none", scale: int = 1):
     return f"{expression}:{unit}:{scale}"
 
 
+def length_mod3(response: str, answer: str) -> float:
+    """A reward with signal in ~4 of 5 groups of 4 (a third of responses score 1), where the tiny tool
+    model's arithmetic scores 0 everywhere: refill's draws then stay small and its check has teeth."""
+    return float(len(response) % 3 == 0)
+
+
 def flaky(expression: str):
     """By the expression's digits: hang, raise, print megabytes, or compute (a tool gone bad in a run)."""
     kind = sum(map(ord, expression)) % 4

@@ -58,7 +58,7 @@ def cli_run(tool_assets, tmp_path_factory):
                     "dynamic_sampling": "refill", "max_refill_rounds": 1,
                     "agent": {"tools": [{"name": "calculator", "fn": "tool_plugins_mod:flaky"}], "max_turns": 2,
                               "tool_timeout_s": 1.0, "max_result_chars": 200}},
-        "reward": {"fn": "arithmetic_final", "num_workers": 0},
+        "reward": {"fn": "tool_plugins_mod:length_mod3", "num_workers": 0},
         "eval": {"every_n_steps": 4, "datasets": [{"name": "t", "path": str(root / "test.jsonl")}], "n": 2,
                  "max_new_tokens": 96, "temperature": 1.0, "top_p": 1.0, "reward": "arithmetic_final"},
     })
@@ -133,6 +133,7 @@ def test_cli_run_with_a_misbehaving_tool_finishes_and_counts_it(cli_run):
     # a group was found too stale when the trainer took the round (regenerated).
     assert all(r.get("experience/num_groups", 0) == 2 or r["rollout/refill_cap_hit"] == 1
                or r.get("rollout/num_regenerated", 0) > 0 for r in refill), refill
+    assert any(r.get("experience/num_groups", 0) == 2 for r in refill), refill  # multi-turn groups were trained
     evals = [r for r in records if "eval/t/tool_call_rate" in r]
     assert [r["step"] for r in evals] == [0, 4] and all(0 <= r["eval/t/tool_call_rate"] <= 1 for r in evals)
     state = json.loads((out / "checkpoints" / "step_000004" / "trainer.json").read_text())

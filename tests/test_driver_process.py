@@ -111,3 +111,70 @@ def test_a_child_stuck_in_close_says_where_and_is_killed(tmp_path, monkeypatch, 
     assert warning.startswith("the driver process did not close cleanly: the driver process gave no answer within 1 s")
     assert warning.endswith(f"where each of its threads was: {tmp_path / 'logs' / STACKS_FILE}")
     assert "in _stuck_child" in (tmp_path / "logs" / STACKS_FILE).read_text()
+
+
+class _Interrupted(BaseException):
+    """What SIGTERM raises in rank 0 (`trainer.Terminated` is a BaseException too)."""
+
+
+def _interrupt() -> None:
+    raise _Interrupted("SIGTERM while the reply was unpickled")
+
+
+class _InterruptsWhenLoaded:
+    def __reduce__(self):
+        return _interrupt, ()
+
+
+def _answering_child(conn) -> None:
+    """Answers the call with a reply whose unpickling is interrupted, then answers `close` and exits."""
+    conn.recv()
+    conn.send(("ok", _InterruptsWhenLoaded(), 0.0))
+    method, *_ = conn.recv()
+    conn.send(("ok", method, 0.0))
+
+
+def test_a_reply_interrupted_while_unpickled_is_not_waited_for_again(tmp_path, monkeypatch, caplog):
+    """CI: SIGTERM landed while rank 0 unpickled the driver process's reply (fetching a shared tensor's
+    handle). The reply was off the pipe but still counted as pending, so `close` waited 30 s for a
+    second one and then killed the child. A reply read off the pipe is no longer pending."""
+    import logging
+    import multiprocessing as mp
+    import queue
+    import threading
+
+    import pytest
+
+    from megatron_bapo import driver_process
+    from megatron_bapo.driver_process import DriverProcess
+
+    monkeypatch.setattr(driver_process, "STOP_WAIT_S", 5.0)
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_answering_child, args=(child,))
+    proc.start()
+    child.close()
+    handle = DriverProcess(config=None, output_dir=tmp_path)
+    handle._conn, handle._proc, handle._logs = parent, proc, queue.Queue()
+    handle._log_thread = threading.Thread(target=handle._logs.get)
+    handle._log_thread.start()
+    with pytest.raises(_Interrupted):
+        handle.next_batch(1, 0)
+    with caplog.at_level(logging.WARNING, logger="megatron_bapo.driver_process"):
+        handle.close()
+    assert [r.getMessage() for r in caplog.records] == [] and proc.exitcode == 0
+
+
+def test_sigterm_on_the_pipe_mid_message_is_raised_once_the_message_is_whole(tmp_path):
+    """`defer`: the trainer's SIGTERM handler holds its exception while a message is on the pipe."""
+    import pytest
+
+    from megatron_bapo.driver_process import DriverProcess
+
+    handle = DriverProcess(config=None, output_dir=tmp_path)
+    assert handle.defer(_Interrupted("now")) is False  # between messages: the handler raises at once
+    with pytest.raises(_Interrupted, match="held"):
+        with handle._shield():
+            assert handle.defer(_Interrupted("held")) is True
+            reached = True  # the message's read goes on
+    assert reached and handle._deferred is None
