@@ -179,6 +179,7 @@ def test_staleness_counts_sampled_tokens_only(serve, agents):
     assert int(batch["loss_mask"].sum()) == 0 and sampled < sum(len(s.response_ids) for s in samples)
 
 
+@pytest.mark.slow
 def test_tools_that_hang_crash_exit_or_print_megabytes_give_bounded_errors_and_are_counted(serve, agents, tmp_path,
                                                                                           monkeypatch):
     module = write_plugins(tmp_path)

@@ -21,6 +21,7 @@ PROBE = [1, 5, 9, 3, 7, 2, 8, 4, 6]
 TINY = "examples/configs/tiny_bapo.yaml"
 
 
+@pytest.mark.slow
 def test_policy_updates_never_move_a_role_pool(tiny_hf_dir, tmp_path):
     from megatron_bapo.tiny.checkpoint import make_tiny_hf_checkpoint
 

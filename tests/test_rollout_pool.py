@@ -26,6 +26,7 @@ def _kill(pool: ServerPool) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_restarted_server_that_cannot_be_given_the_current_version_is_an_error(tiny_hf_dir, tmp_path):
     rollout = RolloutConfig(client=RolloutClientConfig(health_timeout_s=120))
     pool = ServerPool(rollout, model_path=str(tiny_hf_dir), seed=0, log_dir=tmp_path / "logs",
@@ -50,6 +51,7 @@ def test_restarted_server_that_cannot_be_given_the_current_version_is_an_error(t
         pool.close()
 
 
+@pytest.mark.slow
 def test_a_server_dying_right_after_the_liveness_check_is_restarted_by_the_update(tiny_hf_dir, tmp_path):
     """The update looks (`ensure_alive`), then asks every server for its flags; a server killed in
     between (seen in CI: the run stopped on `server_info failed`) is restarted there too."""
@@ -117,6 +119,7 @@ def test_builtin_server_fields_reach_the_servers(tiny_hf_dir, tmp_path):
         pool.close()
 
 
+@pytest.mark.slow
 def test_a_request_on_a_dead_server_fails_at_once_and_the_pool_restarts_it(tiny_hf_dir, tmp_path, caplog):
     """CI: a server SIGKILLed as the next round began stalled the run ~6 minutes: each request retried
     the dead URL with backoff while holding its concurrency slot, so the round failed (and the pool

@@ -92,6 +92,7 @@ def _teacher(tiny_hf_dir, tmp_path, **fields):
                             seed=0, output_dir=tmp_path, vocab_size=None)
 
 
+@pytest.mark.slow
 def test_a_dead_teacher_server_is_restarted_and_the_scoring_retried(tiny_hf_dir, tmp_path):
     pools = _teacher(tiny_hf_dir, tmp_path)
     try:

@@ -193,6 +193,7 @@ def test_building_the_tiny_assets_twice_gives_identical_files(built, tmp_path):
     assert _without_timings(infos[0]) == _without_timings(infos[1])
 
 
+@pytest.mark.slow
 def test_make_tiny_adds_a_teacher_with_the_students_tokenizer_to_built_assets(built, tmp_path):
     """`--teacher` on complete assets builds only OUT/teacher_model: the base's SFT continued (here a few
     steps), the base untouched, the student's tokenizer (what a distillation run checks at start), its
