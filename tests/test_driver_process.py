@@ -68,6 +68,26 @@ def test_a_child_killed_with_unread_bytes_is_named_in_one_line(tmp_path):
         handle._receive(None)
 
 
+def _handle_on(tmp_path, target, *args):
+    """Rank 0's handle on a forked stand-in child `target(conn, *args)`: (handle, child process)."""
+    import multiprocessing as mp
+    import queue
+    import threading
+
+    from megatron_bapo.driver_process import DriverProcess
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=target, args=(child, *args))
+    proc.start()
+    child.close()
+    handle = DriverProcess(config=None, output_dir=tmp_path)
+    handle._conn, handle._proc, handle._logs = parent, proc, queue.Queue()
+    handle._log_thread = threading.Thread(target=handle._logs.get)
+    handle._log_thread.start()
+    return handle, proc
+
+
 def _stuck_child(conn, stacks_path) -> None:
     """A driver process stuck in its close: it reads the request, then never answers or exits on SIGTERM."""
     import faulthandler
@@ -86,24 +106,13 @@ def test_a_child_stuck_in_close_says_where_and_is_killed(tmp_path, monkeypatch, 
     60 s to stop). `close` now asks it for every thread's stack (the file the warning names) and kills
     it after one wait, not two."""
     import logging
-    import multiprocessing as mp
-    import queue
-    import threading
 
     from megatron_bapo import driver_process
-    from megatron_bapo.driver_process import STACKS_FILE, DriverProcess
+    from megatron_bapo.driver_process import STACKS_FILE
 
     monkeypatch.setattr(driver_process, "STOP_WAIT_S", 1.0)
     (tmp_path / "logs").mkdir()
-    ctx = mp.get_context("fork")
-    parent, child = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=_stuck_child, args=(child, tmp_path / "logs" / STACKS_FILE))
-    proc.start()
-    child.close()
-    handle = DriverProcess(config=None, output_dir=tmp_path)
-    handle._conn, handle._proc, handle._logs = parent, proc, queue.Queue()
-    handle._log_thread = threading.Thread(target=handle._logs.get)
-    handle._log_thread.start()
+    handle, proc = _handle_on(tmp_path, _stuck_child, tmp_path / "logs" / STACKS_FILE)
     with caplog.at_level(logging.WARNING, logger="megatron_bapo.driver_process"):
         handle.close()
     assert not proc.is_alive() and proc.exitcode == -9
@@ -139,25 +148,13 @@ def test_a_reply_interrupted_while_unpickled_is_not_waited_for_again(tmp_path, m
     handle). The reply was off the pipe but still counted as pending, so `close` waited 30 s for a
     second one and then killed the child. A reply read off the pipe is no longer pending."""
     import logging
-    import multiprocessing as mp
-    import queue
-    import threading
 
     import pytest
 
     from megatron_bapo import driver_process
-    from megatron_bapo.driver_process import DriverProcess
 
     monkeypatch.setattr(driver_process, "STOP_WAIT_S", 5.0)
-    ctx = mp.get_context("fork")
-    parent, child = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=_answering_child, args=(child,))
-    proc.start()
-    child.close()
-    handle = DriverProcess(config=None, output_dir=tmp_path)
-    handle._conn, handle._proc, handle._logs = parent, proc, queue.Queue()
-    handle._log_thread = threading.Thread(target=handle._logs.get)
-    handle._log_thread.start()
+    handle, proc = _handle_on(tmp_path, _answering_child)
     with pytest.raises(_Interrupted):
         handle.next_batch(1, 0)
     with caplog.at_level(logging.WARNING, logger="megatron_bapo.driver_process"):

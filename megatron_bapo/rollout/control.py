@@ -382,20 +382,18 @@ class ControlMixin:
             last = ""
             while time.monotonic() < deadline:
                 try:
-                    status, last = await self._request("GET", url, path, None, 30, retry=False)
-                    if status == 200:
-                        if url in self._unhealthy_until:
-                            self._unhealthy_until[url] = 0.0
-                        return
-                    if status in (401, 403):  # waiting cannot fix a key: say so now, not after the timeout
-                        raise _KeyRefused(f"{url}{path} refused the client's API key: {status} {last[:100]}; set "
-                                          f"this pool's client.api_key (or the {API_KEY_ENV} environment variable) "
-                                          f"to the server's --api-key")
-                    last = f"{status} {last[:100]}"
-                except _KeyRefused:
-                    raise
+                    status, text = await self._request("GET", url, path, None, 30, retry=False)
                 except RolloutError as exc:
-                    last = str(exc)
+                    status, text = None, str(exc)
+                if status == 200:
+                    if url in self._unhealthy_until:
+                        self._unhealthy_until[url] = 0.0
+                    return
+                if status in (401, 403):  # waiting cannot fix a key: say so now, not after the timeout
+                    raise RolloutError(f"{url}{path} refused the client's API key: {status} {text[:100]}; set "
+                                       f"this pool's client.api_key (or the {API_KEY_ENV} environment variable) "
+                                       f"to the server's --api-key")
+                last = text if status is None else f"{status} {text[:100]}"
                 await asyncio.sleep(0.5)
             raise RolloutError(f"{url}{path} not healthy after {timeout_s} s: {last}")
         tasks = [one(u, "/health_generate") for u in self.config.urls]
@@ -408,10 +406,6 @@ class ControlMixin:
 
     def wait_healthy(self, timeout_s: Optional[float] = None) -> None:
         self.run(self.await_healthy(timeout_s))
-
-
-class _KeyRefused(RolloutError):
-    """A server answered 401/403 to a health check: not transient."""
 
 
 def _raise_failures(what: str, results: dict[str, Any]) -> None:
