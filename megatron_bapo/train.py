@@ -146,4 +146,6 @@ def _train(config: "RunConfig", args: argparse.Namespace, rank: int, lock: Optio
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from megatron_bapo.process_exit import exit_now
+
+    exit_now(main())
