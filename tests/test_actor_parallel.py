@@ -76,7 +76,7 @@ def hf4(tmp_path_factory):
     return str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf4"), seed=0, num_hidden_layers=4))
 
 
-@pytest.fixture(scope="module", params=["token-mean", "seq-mean-token-mean"])
+@pytest.fixture(scope="module", params=["token-mean", pytest.param("seq-mean-token-mean", marks=pytest.mark.slow)])
 def reference(request, hf4):
     from dist_harness import run_dist
 

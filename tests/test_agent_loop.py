@@ -213,12 +213,14 @@ def test_tools_that_hang_crash_exit_or_print_megabytes_give_bounded_errors_and_a
 @pytest.mark.parametrize("turn, expected", [
     ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+"}}</tool_call>',
      "error: cannot parse '1+': invalid syntax"),
-    ('<tool_call>{"name": "calculator", "arguments": {"expression": 5}}</tool_call>',
-     "error: expression must be a string, got int"),
+    pytest.param('<tool_call>{"name": "calculator", "arguments": {"expression": 5}}</tool_call>',
+                 "error: expression must be a string, got int", marks=pytest.mark.slow),
     ('<tool_call>{"name": "search", "arguments": {}}</tool_call>', "error: unknown tool 'search'; available: calculator"),
     ("<tool_call>{not json}</tool_call>", "error: the tool call is not valid JSON"),
-    ('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2*3\\"}"}</tool_call>', "6"),
-    ('<tool_call>["calculator"]</tool_call>', 'error: the tool call must be a JSON object with a "name"'),
+    pytest.param('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2*3\\"}"}</tool_call>', "6",
+                 marks=pytest.mark.slow),
+    pytest.param('<tool_call>["calculator"]</tool_call>', 'error: the tool call must be a JSON object with a "name"',
+                 marks=pytest.mark.slow),
 ])
 def test_malformed_and_unknown_calls_become_error_messages(serve, agents, turn, expected):
     srv, client = serve(scripted_policy(lambda expr, results: turn if not results else "done"))
@@ -284,6 +286,7 @@ def test_evaluation_runs_the_same_agent_loop(serve, agents):
     assert len(srv.server.requests) == 3 * 2 * 2
 
 
+@pytest.mark.slow  # the evaluation's agent loop stays in the inner loop (the test above)
 def test_evaluate_tool_takes_the_agent_section_of_a_run_config(serve, tiny_hf_dir, tmp_path, capsys):
     from megatron_bapo.eval.cli import main
 

@@ -164,6 +164,7 @@ def test_first_update_mismatch_is_real_with_bf16_and_equals_an_independent_recom
     assert "temperature" in got_wrong["warnings"][0] and "SGLANG_RETURN_ORIGINAL_LOGPROB" in got_wrong["warnings"][0]
 
 
+@pytest.mark.slow  # the module's fixture starts a bf16 and an fp32 server and samples on both: ~20 s
 @pytest.mark.parametrize("layout, world_size", [({}, 1), ({"parallel": {"tp": 2}}, 2),
                                                 ({"parallel": {"cp": 2}, "packing": True}, 2)],
                          ids=["one-process", "tp2", "cp2-packed"])

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_bapo.metrics import MetricsWriter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +57,7 @@ def test_a_run_without_metrics_is_an_error_naming_it(tmp_path):
     assert res.returncode == 2 and "run 'x'" in res.stderr
 
 
+@pytest.mark.slow
 def test_runs_with_mismatch_metrics_get_a_mismatch_table(tmp_path):
     for name, kl in (("r1", 1e-3), ("r2", 3e-3)):
         writer = MetricsWriter(tmp_path / name / "tb")
@@ -73,6 +76,7 @@ def test_runs_with_mismatch_metrics_get_a_mismatch_table(tmp_path):
     assert (out / "mismatch.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_runs_with_dynamic_sampling_get_an_algorithms_table(tmp_path):
     """Eval before / after with 95% t-intervals over seeds, updated steps, groups per updated step,
     refill rounds and cap hits, wall time."""

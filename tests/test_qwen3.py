@@ -92,7 +92,8 @@ def _qk_norm_updates(result) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "model, layout",
-    [("untied", {"tp": 2}), ("untied", {"tp": 2, "sp": True}), ("untied", {"pp": 2}), ("tied", {"pp": 2})],
+    [pytest.param("untied", {"tp": 2}, marks=pytest.mark.slow), ("untied", {"tp": 2, "sp": True}),
+     pytest.param("untied", {"pp": 2}, marks=pytest.mark.slow), ("tied", {"pp": 2})],  # inner loop: TP+SP, tied PP
     ids=["untied-tp2", "untied-tp2-sp", "untied-pp2", "tied-pp2"],
 )
 def test_tp_and_pp_equal_one_process(run_dist, qwen3_dirs, references, model, layout):

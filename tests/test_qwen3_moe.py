@@ -226,6 +226,7 @@ def test_replay_through_pipeline_stages_equals_one_process(run_dist, moe_dir):
             torch.testing.assert_close(got["update"][name], upd, atol=1e-7, rtol=1e-5, msg=name)
 
 
+@pytest.mark.slow  # EP 2 against one process stays in the inner loop (test_expert_parallel_equals_one_process)
 def test_expert_parallel_distributed_optimizer_equals_one_process(run_dist, moe_dir):
     """megatron's distributed optimizer (Adam, expert parameters sharded over their own data-parallel
     group) at EP=2 takes the single-process step."""
@@ -260,6 +261,7 @@ def _offline_export(rank, world_size, ckpt, out, template):
     megatron_to_hf(ckpt, out, hf_template=template)
 
 
+@pytest.mark.slow  # the offline round trip stays in the inner loop
 def test_round_trip_through_an_ep2_checkpoint_is_bit_exact(tmp_path, run_dist):
     """HF -> actor at EP=2 -> (a) HF from the live model (the second EP rank's experts come from data-
     parallel rank 1), (b) a torch_dist checkpoint -> actor at EP=1 -> HF, (c) the same checkpoint ->

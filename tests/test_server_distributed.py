@@ -114,6 +114,7 @@ def test_nccl_without_cuda_and_unknown_group_are_rejected(server):
         assert http(server.url + "/end_weight_update", {})[0] == 200
 
 
+@pytest.mark.slow  # one server per group stays in the inner loop (the gloo update test)
 def test_sender_syncs_two_servers_in_one_group(server, tiny_hf_dir, tmp_path):
     """DistributedWeightSender: two servers (ranks 1 and 2 of 3), bucketed, version on the last bucket;
     both then serve the new weights' log-probs."""

@@ -80,7 +80,8 @@ def _train_side(rank, world_size, hf_dir, url, method, sync_port, tmp):
     return {"lp": lp, "sent": sent}
 
 
-@pytest.mark.parametrize("method, world_size", [pytest.param("distributed", 2, marks=pytest.mark.slow), ("disk", 1)])
+@pytest.mark.parametrize("method, world_size", [pytest.param("distributed", 2, marks=pytest.mark.slow),
+                                                 pytest.param("disk", 1, marks=pytest.mark.slow)])
 def test_sync_makes_server_logprobs_equal_the_trainer(run_dist, tiny_hf_dir, tmp_path, method, world_size):
     from megatron_bapo.server.launch import start_server
 
