@@ -432,3 +432,27 @@ def test_sampling_seed_is_ignored_without_deterministic_inference(tiny_hf_dir):
             assert http(s.url + "/server_info", method="GET")[1]["enable_deterministic_inference"] is bool(flag)
     assert all(o == outs[("--enable-deterministic-inference",)][0] for o in outs[("--enable-deterministic-inference",)])
     assert len({tuple(o) for o in outs[()]}) > 1
+
+
+def test_the_client_completes_an_update_whose_flush_met_a_request(server, tiny_hf_dir, other_ckpt):
+    """SGLang answers an update whose own flush met a request in its scheduler with 400 "Weights were
+    updated, but the cache was not flushed" (live SGLang once: an update right after a weight check's
+    probes). The weights are in; the client flushes again until the server is idle, as the reply
+    asks, rather than failing the sync (before: a RolloutError at once). Here the request is paused in
+    place until the test lets it go."""
+    from megatron_bapo.rollout import RolloutClient, RolloutClientConfig
+
+    url = server.url
+    fut = bg(url + "/generate", {"input_ids": [3, 4, 5], "sampling_params": LONG})
+    wait_running(url, 1)
+    assert http(url + "/pause_generation", {"mode": "in_place"})[0] == 200
+    with RolloutClient(RolloutClientConfig(urls=[url], flush_cache_timeout_s=60)) as client:
+        update = POOL.submit(client.update_weights_from_disk, str(other_ckpt), 7)
+        wait_for(lambda: http(url + "/model_info", method="GET")[1]["weight_version"] == "7", "the update to load")
+        assert http(url + "/flush_cache", {})[0] == 400  # the request still holds KV: the update's flush was refused
+        assert http(url + "/abort_request", {"abort_all": True})[0] == 200
+        assert http(url + "/continue_generation", {})[0] == 200
+        update.result(timeout=60)  # the client's flush went through once the server was idle
+    assert fut.result(timeout=120)[0] == 200
+    wait_idle(url)
+    assert http(url + "/update_weights_from_disk", {"model_path": str(tiny_hf_dir), "weight_version": "v1"})[0] == 200

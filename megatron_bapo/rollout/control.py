@@ -28,6 +28,12 @@ from megatron_bapo.rollout.protocol import parse_version
 from megatron_bapo.weight_update import PAUSE_MODES
 
 logger = logging.getLogger(__name__)
+
+FLUSH_NOT_DONE = "Weights were updated, but the cache was not flushed"
+"""How SGLang 0.5.23 answers an update whose own flush met requests in its scheduler (400,
+`success: false`): the weights and the version are in, the flush is not. A request whose reply has
+just been sent can still be in the scheduler for a moment (seen once in 20 minutes of live SGLang:
+an update right after a weight check's probes), so the flush is retried as the reply says."""
 CLEANUP_TIMEOUT_S = 2.0
 """Once the client is `stopping` (the run ends, by SIGTERM or an error), each call is one attempt of at
 most this long: SLURM kills 30 s after SIGTERM, and a dead server must not hold the teardown."""
@@ -153,17 +159,30 @@ class ControlMixin:
     # ------------------------------------------------------------------ cache, weights, versions
     async def aflush_cache(self) -> None:
         """`/flush_cache` on every worker, polled 1 s apart until 200 (it fails while busy)."""
-        async def one(url: str) -> None:
-            deadline = time.monotonic() + self.config.flush_cache_timeout_s
-            while True:
-                status, text = await self._request("POST", url, "/flush_cache", None, 30)
-                if status == 200:
-                    return
-                if time.monotonic() > deadline or self.stopping:
-                    raise RolloutError(f"{url}/flush_cache did not succeed within "
-                                       f"{self.config.flush_cache_timeout_s} s: {text[:200]}")
-                await asyncio.sleep(1.0)
-        await self._each_or_raise("flush_cache", one)
+        await self._each_or_raise("flush_cache", self._aflush_one)
+
+    async def _aflush_one(self, url: str) -> None:
+        deadline = time.monotonic() + self.config.flush_cache_timeout_s
+        while True:
+            status, text = await self._request("POST", url, "/flush_cache", None, 30)
+            if status == 200:
+                return
+            if time.monotonic() > deadline or self.stopping:
+                raise RolloutError(f"{url}/flush_cache did not succeed within "
+                                   f"{self.config.flush_cache_timeout_s} s: {text[:200]}")
+            await asyncio.sleep(1.0)
+
+    async def _aupdate(self, url: str, path: str, body: dict, **kw: Any) -> dict:
+        """An update call; an update whose own flush was refused (FLUSH_NOT_DONE) is completed by
+        polling `/flush_cache` (client.flush_cache_timeout_s), as SGLang's reply asks."""
+        try:
+            return await self._expect_success(url, path, body, **kw)
+        except RolloutError as exc:
+            if not (body.get("flush_cache") and FLUSH_NOT_DONE in str(exc)):
+                raise
+        logger.info("%s%s: weights in, the flush met a request still in the scheduler; flushing again", url, path)
+        await self._aflush_one(url)
+        return {"success": True}
 
     def flush_cache(self) -> None:
         self.run(self.aflush_cache())
@@ -184,7 +203,7 @@ class ControlMixin:
         async def one(url: str) -> Any:
             if only is not None and url not in only:
                 return None
-            return await self._expect_success(url, "/update_weights_from_disk", body)
+            return await self._aupdate(url, "/update_weights_from_disk", body)
         await self._each_or_raise("update_weights_from_disk", one)
 
     def update_weights_from_disk(self, model_path: str, weight_version: int, *, flush_cache: bool = True,
@@ -250,7 +269,7 @@ class ControlMixin:
         returns once it received the bucket, which the caller broadcasts meanwhile."""
         if body.get("weight_version") is not None and parse_version(body["weight_version"]) is not None:
             self._published(parse_version(body["weight_version"]))
-        await self._each_or_raise("update_weights_from_distributed", lambda u: self._expect_success(
+        await self._each_or_raise("update_weights_from_distributed", lambda u: self._aupdate(
             u, "/update_weights_from_distributed", body, retry=False, timeout=timeout))
 
     async def aget_weight_versions(self) -> dict[str, str]:
