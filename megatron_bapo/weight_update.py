@@ -25,6 +25,15 @@ PAUSE_MODES: tuple[Optional[str], ...] = (None, "abort", "retract", "in_place")
 the `mode` of SGLang's `/pause_generation` (0.5.15+), which the built-in server takes too."""
 
 
+FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+                 "queued. Retract or finish them, then call /flush_cache.")
+"""SGLang 0.5.23's 400 reply (`success: false`) to an update whose own flush meets requests in its
+scheduler: the weights and the version are in, the flush is not. The built-in server gives it where
+SGLang would (paused in place); the client completes such an update by flushing again
+(`rollout/control.py`), since a request whose reply was just sent can still be in SGLang's scheduler
+for a moment (seen once on live SGLang: an update right after a weight check's probes)."""
+
+
 def flushes_cache(pause_mode: Optional[str]) -> bool:
     """Whether an update under `pause_mode` asks the servers to flush their prefix cache.
 

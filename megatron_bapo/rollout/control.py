@@ -25,15 +25,9 @@ import aiohttp
 from megatron_bapo.rollout.config import API_KEY_ENV
 from megatron_bapo.rollout.errors import RolloutError
 from megatron_bapo.rollout.protocol import parse_version
-from megatron_bapo.weight_update import PAUSE_MODES
+from megatron_bapo.weight_update import FLUSH_REFUSED, PAUSE_MODES
 
 logger = logging.getLogger(__name__)
-
-FLUSH_NOT_DONE = "Weights were updated, but the cache was not flushed"
-"""How SGLang 0.5.23 answers an update whose own flush met requests in its scheduler (400,
-`success: false`): the weights and the version are in, the flush is not. A request whose reply has
-just been sent can still be in the scheduler for a moment (seen once in 20 minutes of live SGLang:
-an update right after a weight check's probes), so the flush is retried as the reply says."""
 CLEANUP_TIMEOUT_S = 2.0
 """Once the client is `stopping` (the run ends, by SIGTERM or an error), each call is one attempt of at
 most this long: SLURM kills 30 s after SIGTERM, and a dead server must not hold the teardown."""
@@ -173,12 +167,12 @@ class ControlMixin:
             await asyncio.sleep(1.0)
 
     async def _aupdate(self, url: str, path: str, body: dict, **kw: Any) -> dict:
-        """An update call; an update whose own flush was refused (FLUSH_NOT_DONE) is completed by
-        polling `/flush_cache` (client.flush_cache_timeout_s), as SGLang's reply asks."""
+        """An update call; an update whose own flush was refused (`weight_update.FLUSH_REFUSED`) is
+        completed by polling `/flush_cache` (client.flush_cache_timeout_s), as SGLang's reply asks."""
         try:
             return await self._expect_success(url, path, body, **kw)
         except RolloutError as exc:
-            if not (body.get("flush_cache") and FLUSH_NOT_DONE in str(exc)):
+            if not (body.get("flush_cache") and FLUSH_REFUSED in str(exc)):
                 raise
         logger.info("%s%s: weights in, the flush met a request still in the scheduler; flushing again", url, path)
         await self._aflush_one(url)

@@ -17,7 +17,7 @@ from megatron_bapo.server.http import STATE_KEY, read_json, read_object
 from megatron_bapo.server.protocol import RequestError
 from megatron_bapo.server.state import ServerState
 from megatron_bapo.server.weights import load_model
-from megatron_bapo.weight_update import PAUSE_MODES as WIRE_PAUSE_MODES
+from megatron_bapo.weight_update import FLUSH_REFUSED, PAUSE_MODES as WIRE_PAUSE_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +56,6 @@ def idle(state: ServerState) -> bool:
     return running == 0 and (waiting == 0 or state.paused)
 
 
-FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
-                 "queued. Retract or finish them, then call /flush_cache.")
-"""SGLang 0.5.23's reply when an update's `flush_cache` meets requests holding KV (e.g. paused in place)."""
 
 
 def flush_after_update(state: ServerState, body: dict) -> Optional[str]:
