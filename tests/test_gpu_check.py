@@ -1,7 +1,7 @@
 """tools/gpu_check.sh on a CPU: everything but CUDA itself, so its first GPU run is not its first run.
 
 The script runs end to end at `--tiny` sizes (the gpu-marked tests are selected and skip here; every
-benchmark part runs on CPU), carried wheels are unpacked onto PYTHONPATH, a Python that cannot
+benchmark part runs on CPU; its first and last lines say the local spec ran, not TE), carried wheels are unpacked onto PYTHONPATH, a Python that cannot
 import megatron-core stops it with the fix, and the benchmark's FLOP and peak arithmetic is checked.
 """
 
@@ -49,6 +49,12 @@ def test_gpu_check_runs_end_to_end_at_tiny_sizes(tmp_path):
     out = _run(tmp_path, "--tiny", "--out", str(tmp_path / "out"), wheels=wheels)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
+    lines = text.splitlines()
+    # No TE here (no CUDA): the first line and the summary line say the numbers are the local spec's
+    assert lines[0] == ("gpu_check: !!! layer spec local, NOT Transformer Engine (no CUDA): every number below is "
+                        "the local spec, not the TE path !!!"), lines[:3]
+    assert lines[-1].startswith("gpu_check: done (status 0, layer spec local, NOT Transformer Engine (no CUDA)); "), lines[-1]
+    assert (tmp_path / "out" / "layer_spec.txt").read_text() == "local, NOT Transformer Engine (no CUDA)\n"
     assert "carried wheels on PYTHONPATH: carried_probe-0.1-py3-none-any.whl" in text
     assert "gpu-marked tests exit status 0" in text and "deselected" in text  # selected by the marker, skipped here
     assert "layer spec: local (no CUDA)" in text

@@ -15,8 +15,8 @@
 # lacks (megatron-core above all) are carried as wheels in .whl/ (GPU_CHECK_WHEELS), which
 # --fetch-wheels fills for Python 3.12 on x86-64 (PY_VERSION to change; the megatron-core version is
 # pins.env's); they are unpacked into a
-# temporary directory on PYTHONPATH. Without Transformer Engine the local layer spec runs, and the
-# benchmark's first lines say so (and why). --tiny shrinks every benchmark to CPU size (the tests run
+# temporary directory on PYTHONPATH. Without Transformer Engine the local layer spec runs: the
+# first line and the summary line say so (and why), and OUT_DIR/layer_spec.txt keeps it. --tiny shrinks every benchmark to CPU size (the tests run
 # this whole script on a CPU that way). Exit status: 0 when every part passed, else the first failure's.
 # Where one command has a time limit, run the parts in two calls: --skip-bench, then --skip-tests.
 set -uo pipefail
@@ -66,15 +66,31 @@ if [ ${#carried[@]} -gt 0 ]; then
   site=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "${carried[@]}" || exit 2
   export PYTHONPATH="$site:$PYTHONPATH"
-  echo "gpu_check: carried wheels on PYTHONPATH: $(basename -a "${carried[@]}" | tr '\n' ' ')"
-fi
-if command -v nvidia-smi >/dev/null 2>&1; then
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 if ! "$PYTHON" -c "import torch, megatron.core" 2>"$OUT_DIR/import.err"; then
   echo "gpu_check: $PYTHON cannot import torch and megatron.core ($(tail -1 "$OUT_DIR/import.err"));" \
        "run 'bash tools/gpu_check.sh --fetch-wheels' where pip works and carry $WHEELS/" >&2
   exit 2
+fi
+# The layer spec every part runs, first and last in the output: a run without Transformer Engine
+# measures megatron-core's local spec (torch SDPA, unfused norms and MLPs), not the TE path.
+if spec=$("$PYTHON" -c 'from megatron_bapo.models.layer_spec import resolve_layer_spec as r; s = r("auto")
+print(("transformer_engine (" if s.use_te else "local, NOT Transformer Engine (") + s.reason + ")")' 2>"$OUT_DIR/spec.err"); then
+  :
+else
+  spec="unresolved: $(tail -1 "$OUT_DIR/spec.err")"
+fi
+case "$spec" in
+  transformer_engine*) echo "gpu_check: layer spec $spec" ;;
+  unresolved*) echo "gpu_check: !!! layer spec $spec: an actor with layer_spec=auto refuses to build here !!!" ;;
+  *) echo "gpu_check: !!! layer spec $spec: every number below is the local spec, not the TE path !!!" ;;
+esac
+echo "$spec" >"$OUT_DIR/layer_spec.txt"
+if [ ${#carried[@]} -gt 0 ]; then
+  echo "gpu_check: carried wheels on PYTHONPATH: $(basename -a "${carried[@]}" | tr '\n' ' ')"
+fi
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 
 status=0
@@ -96,5 +112,5 @@ if [ "$RUN_BENCH" = 1 ]; then
   echo "gpu_check: benchmarks exit status $rc"
   [ "$status" = 0 ] && status=$rc
 fi
-echo "gpu_check: done (status $status); outputs in $OUT_DIR"
+echo "gpu_check: done (status $status, layer spec $spec); outputs in $OUT_DIR"
 exit "$status"
