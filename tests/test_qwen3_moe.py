@@ -241,6 +241,32 @@ def test_expert_parallel_distributed_optimizer_equals_one_process(run_dist, moe_
             torch.testing.assert_close(got["update"][name], upd, atol=2e-5, rtol=1e-3, msg=name)
 
 
+@pytest.mark.gpu
+def test_a_full_moe_step_on_one_gpu_with_nccl(moe_dir):
+    """A whole step on a one-rank NCCL world: the search pass over the mini-batch, the loss, the routing
+    replay of a recorded routing, megatron's distributed optimizer, the metrics with moe/load_balance and
+    the export's gather. NCCL refuses a host tensor in any collective, so one anywhere fails this test
+    (`_moe_step`'s StrictDevices is its CPU stand-in). Not run on a GPU yet: no GPU was lent to the
+    session that wrote it; its body is `_moe_step`'s, which runs on CPU in this module."""
+    import math
+    import os
+
+    from dist_harness import free_port
+    from megatron.core import parallel_state
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        got = _moe_step_checked(moe_dir, {"distopt": True}, recorded=True)
+        assert torch.distributed.get_backend() == "nccl"
+    finally:
+        parallel_state.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    for key in MOE_METRICS:
+        assert key in got["metrics"] and math.isfinite(got["metrics"][key]), (key, got["metrics"].get(key))
+    assert got["metrics"]["actor/grad_norm"] > 0 and (got["lp_after"] - got["lp"]).abs().max() > 0
+
+
 # --------------------------------------------------------------------------- resharding EP=2 -> EP=1
 def _save_at(rank, world_size, hf_dir, ckpt, hf_out, layout):
     from megatron_bapo.convert import save_model_as_hf
