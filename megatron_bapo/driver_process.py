@@ -393,7 +393,8 @@ def _serve(conn: Any, logs: Any, level: int, config: Any, output_dir: Path, devi
     logging.captureWarnings(True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
     (Path(output_dir) / "logs").mkdir(parents=True, exist_ok=True)
-    stacks = (Path(output_dir) / "logs" / STACKS_FILE).open("a")  # written only if rank 0 asks (`_dump_stacks`)
+    stacks_path = Path(output_dir) / "logs" / STACKS_FILE
+    stacks = stacks_path.open("a")  # written only if rank 0 asks (`_dump_stacks`)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     if device is not None:
         import torch
@@ -426,7 +427,13 @@ def _serve(conn: Any, logs: Any, level: int, config: Any, output_dir: Path, devi
                 reply = ("error", _portable(exc), time.monotonic() - started)
             conn.send(reply)
     finally:
-        child.close()
+        try:
+            child.close()
+        finally:
+            faulthandler.unregister(signal.SIGUSR1)
+            stacks.close()
+            if stacks_path.stat().st_size == 0:  # nobody asked: no empty file left in every run's logs/
+                stacks_path.unlink()
 
 
 def _portable(exc: BaseException) -> BaseException:

@@ -315,3 +315,14 @@ def test_the_driver_process_hands_over_the_manifest_entry_of_the_file_it_wrote(t
 
     ckpt, *_, (written, again) = through_the_driver_process
     assert written == again == {TOKENS_FILE: hash_file(ckpt / TOKENS_FILE)}
+
+
+def test_a_driver_process_that_closed_leaves_no_empty_stacks_file(through_the_driver_process):
+    """The file the child's threads' stacks go to when it stops answering is removed at a normal close
+    while empty (it was left, empty, in every run's logs/)."""
+    from megatron_bapo.driver_process import STACKS_FILE
+
+    ckpt, _, ckpt_again, *_ = through_the_driver_process
+    for out in (ckpt.parents[1], ckpt_again.parents[1]):
+        logs = out / "logs"
+        assert logs.is_dir() and not (logs / STACKS_FILE).exists(), sorted(p.name for p in logs.iterdir())
