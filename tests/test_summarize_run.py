@@ -153,3 +153,35 @@ def test_summary_names_the_machine_of_the_run_and_of_its_assets(tmp_path):
     assert tool.machine_lines(run) == [machine]
     (run / "config.yaml").write_text(yaml.safe_dump({"actor": {}}))  # a run from before the header
     assert tool.machine_lines(run) == ["machine          unknown (not recorded)"]
+
+
+def test_summary_says_what_the_teacher_and_the_judge_did(tmp_path):
+    """A run with a teacher and a judge: the reverse KL to the teacher (first vs last steps) and each
+    model's counts summed over the run, computed here from the series the writer logged."""
+    tool = _load_tool()
+    run = tmp_path / "run"
+    rng = random.Random(3)
+    writer = MetricsWriter(run / "tb")
+    logged = []
+    for step in range(1, 9):
+        m = {"rollout/reward_mean": rng.random(), "distill/reverse_kl_mean": rng.uniform(0.1, 2.0),
+             "distill/num_teacher_scored": float(rng.randrange(10, 20)), "distill/num_teacher_failed": float(step % 3 == 0),
+             "judge/num_scored": float(rng.randrange(5, 9)), "judge/num_timeout": float(step == 4),
+             "judge/num_unparseable": 0.0, "judge/num_error": 0.0, "judge/num_groups_dropped": float(step == 4)}
+        if step == 5:  # a teacher restart: rescored, one group still without log-probs dropped
+            m.update({"distill/num_teacher_rescored": 6.0, "distill/num_groups_dropped": 1.0})
+        writer.log(step, m)
+        logged.append(m)
+    writer.close()
+    kl = [m["distill/reverse_kl_mean"] for m in logged]
+    total = {k: sum(m.get(k, 0.0) for m in logged) for k in logged[0] | logged[4]}
+    lines = tool.summarize(run)
+    assert (f"distill reverse KL first 3 steps {statistics.fmean(kl[:3]):.3f}  last 3 steps "
+            f"{statistics.fmean(kl[-3:]):.3f}") in lines
+    assert (f"teacher          scored {total['distill/num_teacher_scored']:.0f}, failed 2, rescored 6, groups dropped 1 "
+            "(summed over the run)") in lines
+    assert (f"judge            scored {total['judge/num_scored']:.0f}, timed out 1, unparseable 0, errors 0, "
+            "groups dropped 1 (summed over the run)") in lines
+    plain = tmp_path / "plain"  # a run without either: no such lines
+    _write_run(plain, bapo={"rho0": 0.4, "low_start": 0.6, "low_max": 0.9, "high_start": 1.2, "high_max": 3.0})
+    assert not [ln for ln in tool.summarize(plain) if ln.startswith(("distill", "teacher", "judge"))]

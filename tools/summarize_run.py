@@ -6,7 +6,9 @@ BAPO did, where the outputs are; writes `<run>/summary.png`.
 Reads `<run>/tb/metrics.jsonl` (written by the trainer next to the TensorBoard events) and
 `<run>/config.yaml`: the target balance rho0, the machine the run started on (its first line) and the
 model it started from, whose tiny assets' info.json (next to `model.hf_path`) says how the warm start
-went and on which machine it was built: the same seeds give other numbers on another CPU kind. The
+went and on which machine it was built: the same seeds give other numbers on another CPU kind. A run
+with a teacher (distillation) or a judge also gets their lines: the reverse KL to the teacher, and
+each model's scored/failed counts summed over the run. The
 PNG (matplotlib, Agg) has four panels over steps: train reward with the held-out eval points, policy
 entropy, the clip bounds c_low/c_high, and the positive-contribution share rho before and after the
 bound search (rho0 dashed).
@@ -96,6 +98,30 @@ def bapo_lines(records: list[dict[str, Any]], window: int = 3, rho0: Optional[fl
     return lines
 
 
+TEACHER_COUNTS = (("distill/num_teacher_scored", "scored"), ("distill/num_teacher_failed", "failed"),
+                  ("distill/num_teacher_rescored", "rescored"), ("distill/num_groups_dropped", "groups dropped"))
+JUDGE_COUNTS = (("judge/num_scored", "scored"), ("judge/num_timeout", "timed out"),
+                ("judge/num_unparseable", "unparseable"), ("judge/num_error", "errors"),
+                ("judge/num_groups_dropped", "groups dropped"))
+
+
+def second_model_lines(records: list[dict[str, Any]], window: int = 3) -> list[str]:
+    """What the teacher and the judge did, when the run had them: the distillation's reverse KL (the
+    mean log-prob gap to the teacher, first vs last steps) and each model's counts summed over the run
+    (a teacher or judge that failed often shows here, not only in a step's line)."""
+    lines = []
+    kl = _values(records, "distill/reverse_kl_mean")
+    if kl:
+        n = min(window, len(kl))
+        lines.append(f"distill reverse KL first {n} steps {_mean(kl[:n]):.3f}  last {n} steps {_mean(kl[-n:]):.3f}")
+    for name, counts in (("teacher", TEACHER_COUNTS), ("judge", JUDGE_COUNTS)):
+        totals = [(label, sum(_values(records, key))) for key, label in counts if _series(records, key)]
+        if totals:
+            lines.append(f"{name:<16} " + ", ".join(f"{label} {total:.0f}" for label, total in totals)
+                         + " (summed over the run)")
+    return lines
+
+
 def machine_lines(run_dir: Path) -> list[str]:
     """The machine the run started on (config.yaml's header) and, when `model.hf_path` sits in tiny
     assets (an info.json next to it), their warm start and the machine that built them."""
@@ -162,7 +188,7 @@ def summarize(run_dir: Path, window: int = 3) -> list[str]:
         points = [(r["step"], float(r[key])) for r in records if key in r]
         lines.append(f"{key:<16} " + "  ".join(f"step {s}: {v:.3f}" for s, v in points))
     lines += bapo_lines(records, window, target_rho(run_dir))
-    return lines
+    return lines + second_model_lines(records, window)
 
 
 def plot(run_dir: Path, out: Path) -> Path:
