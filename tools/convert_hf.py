@@ -81,4 +81,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_bapo.process_exit import exit_now
+
+    exit_now(main())  # no module teardown once main has returned (megatron_bapo/process_exit.py)

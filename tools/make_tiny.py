@@ -136,4 +136,6 @@ def _teacher(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_bapo.process_exit import exit_now
+
+    exit_now(main())  # no module teardown once main has returned (megatron_bapo/process_exit.py)
