@@ -432,8 +432,9 @@ def _serve(conn: Any, logs: Any, level: int, config: Any, output_dir: Path, devi
         finally:
             faulthandler.unregister(signal.SIGUSR1)
             stacks.close()
-            if stacks_path.stat().st_size == 0:  # nobody asked: no empty file left in every run's logs/
-                stacks_path.unlink()
+            with contextlib.suppress(OSError):  # an output directory removed under a closing child
+                if stacks_path.stat().st_size == 0:  # nobody asked: no empty file left in every run's logs/
+                    stacks_path.unlink()
 
 
 def _portable(exc: BaseException) -> BaseException:
