@@ -16,8 +16,8 @@
 # --fetch-wheels fills for Python 3.12 on x86-64 (PY_VERSION to change; the megatron-core version is
 # pins.env's); they are unpacked into a
 # temporary directory on PYTHONPATH. Without Transformer Engine the local layer spec runs: the
-# first line and the summary line say so (and why), and OUT_DIR/layer_spec.txt keeps it. --tiny shrinks every benchmark to CPU size (the tests run
-# this whole script on a CPU that way). Exit status: 0 when every part passed, else the first failure's.
+# first line and the summary line say so (and why), and OUT_DIR/layer_spec.txt keeps it. --tiny
+# shrinks every benchmark to CPU size (the tests run this whole script on a CPU that way). Exit status: 0 when every part passed, else the first failure's.
 # Where one command has a time limit, run the parts in two calls: --skip-bench, then --skip-tests.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -74,12 +74,9 @@ if ! "$PYTHON" -c "import torch, megatron.core" 2>"$OUT_DIR/import.err"; then
 fi
 # The layer spec every part runs, first and last in the output: a run without Transformer Engine
 # measures megatron-core's local spec (torch SDPA, unfused norms and MLPs), not the TE path.
-if spec=$("$PYTHON" -c 'from megatron_bapo.models.layer_spec import resolve_layer_spec as r; s = r("auto")
-print(("transformer_engine (" if s.use_te else "local, NOT Transformer Engine (") + s.reason + ")")' 2>"$OUT_DIR/spec.err"); then
-  :
-else
+spec=$("$PYTHON" -c 'from megatron_bapo.models.layer_spec import resolve_layer_spec as r; s = r("auto")
+print(("transformer_engine (" if s.use_te else "local, NOT Transformer Engine (") + s.reason + ")")' 2>"$OUT_DIR/spec.err") ||
   spec="unresolved: $(tail -1 "$OUT_DIR/spec.err")"
-fi
 case "$spec" in
   transformer_engine*) echo "gpu_check: layer spec $spec" ;;
   unresolved*) echo "gpu_check: !!! layer spec $spec: an actor with layer_spec=auto refuses to build here !!!" ;;

@@ -27,6 +27,8 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_bapo.metrics import read_jsonl_metrics  # noqa: E402
+from megatron_bapo.rewards.judge import ERROR, SCORED, TIMEOUT, UNPARSEABLE  # noqa: E402
+from megatron_bapo.rewards.judge import METRIC as JUDGE_METRIC  # noqa: E402
 from megatron_bapo.run_record import MACHINE_KEYS, describe_machine, read_machine_header  # noqa: E402
 
 PNG = "summary.png"
@@ -100,8 +102,8 @@ def bapo_lines(records: list[dict[str, Any]], window: int = 3, rho0: Optional[fl
 
 TEACHER_COUNTS = (("distill/num_teacher_scored", "scored"), ("distill/num_teacher_failed", "failed"),
                   ("distill/num_teacher_rescored", "rescored"), ("distill/num_groups_dropped", "groups dropped"))
-JUDGE_COUNTS = (("judge/num_scored", "scored"), ("judge/num_timeout", "timed out"),
-                ("judge/num_unparseable", "unparseable"), ("judge/num_error", "errors"),
+JUDGE_COUNTS = ((JUDGE_METRIC[SCORED], "scored"), (JUDGE_METRIC[TIMEOUT], "timed out"),
+                (JUDGE_METRIC[UNPARSEABLE], "unparseable"), (JUDGE_METRIC[ERROR], "errors"),
                 ("judge/num_groups_dropped", "groups dropped"))
 
 
@@ -115,7 +117,7 @@ def second_model_lines(records: list[dict[str, Any]], window: int = 3) -> list[s
         n = min(window, len(kl))
         lines.append(f"distill reverse KL first {n} steps {_mean(kl[:n]):.3f}  last {n} steps {_mean(kl[-n:]):.3f}")
     for name, counts in (("teacher", TEACHER_COUNTS), ("judge", JUDGE_COUNTS)):
-        totals = [(label, sum(_values(records, key))) for key, label in counts if _series(records, key)]
+        totals = [(label, sum(values)) for key, label in counts if (values := _values(records, key))]
         if totals:
             lines.append(f"{name:<16} " + ", ".join(f"{label} {total:.0f}" for label, total in totals)
                          + " (summed over the run)")

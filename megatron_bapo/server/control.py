@@ -56,8 +56,6 @@ def idle(state: ServerState) -> bool:
     return running == 0 and (waiting == 0 or state.paused)
 
 
-
-
 def flush_after_update(state: ServerState, body: dict) -> Optional[str]:
     """An update's own flush (`flush_cache`, default true), judged as SGLang's scheduler judges it:
     the error message when requests hold KV, else None. There is no prefix cache to clear here; a
